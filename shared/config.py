@@ -182,6 +182,8 @@ class ControllerConfig:
     eval_temperature: float = opt(1.0, "eval: sampling temperature when eval_samples > 1 (1 sample = greedy)")
     group_size: int = opt(4, "episodes per group (same task instance), for group-relative advantages")
     max_inflight: int = opt(16, "at most this many episodes published and not yet finished")
+    max_backlog: int = opt(256, "publishing pauses while this many finished trajectories wait for the trainer "
+                                "(its consumer's pending + unacked); bounds wasted rollouts and staleness; 0 = no bound")
     temperature: float = opt(1.0, "sampling temperature for training episodes")
     http_host: str = opt("127.0.0.1", "status API bind address")
     http_port: int = opt(0, "status API port; 0 = pick a free one (written to the run dir)")

@@ -213,3 +213,51 @@ async def test_controller_status_and_prometheus_metrics(nc, config, subjects) ->
     controller.inflight["e-stale"] = 0.0  # published at the epoch: long past any timeout
     controller.expire_lost()
     assert "e-stale" not in controller.inflight and controller.status()["episodes_lost"] == 1
+
+
+async def test_controller_pauses_while_the_trainer_backlog_is_full(nc, config, subjects, db_host, tmp_path) -> None:
+    """Finished trajectories the trainer has not taken stop further publishing; taking them resumes it."""
+    import torch
+
+    config.controller.group_size, config.controller.max_inflight, config.controller.max_backlog = 2, 4, 6
+    config.trainer.min_groups, config.trainer.steps = 1, 100
+    js = nc.jetstream()
+    controller = Controller(nc, js, subjects, config, "controller-test")
+    trainer_sub = await Trainer(nc, js, subjects, config.trainer, torch.nn.Linear(1, 1), tmp_path, "t").subscribe()
+    jobs = await js.pull_subscribe(subjects.jobs(">"), durable="fake-rollout", stream=subjects.jobs_stream)
+    stop = asyncio.Event()
+
+    async def fake_rollout() -> None:  # plays every job at once: a trajectory per job
+        while not stop.is_set():
+            try:
+                msgs = await jobs.fetch(4, timeout=0.2)
+            except Exception:  # nats-py turns a fetch timeout (and a cancel) into its own errors
+                continue
+            for msg in msgs:
+                job = decode(msg.data, EpisodeJob)
+                traj = make_traj(job.episode_id, job.group_id, 1.0, [1, 2, 3, 4], [-0.1, -0.2, -0.3])
+                await js.publish(subjects.traj(job.task), encode(traj), headers={"Nats-Msg-Id": job.episode_id})
+                await msg.ack()
+
+    tasks = [asyncio.create_task(c) for c in (controller.track_trajectories(), controller.publish_jobs(stop),
+                                              fake_rollout())]
+    try:
+        await asyncio.sleep(3.0)
+        paused_at = controller.groups_published
+        await asyncio.sleep(1.5)
+        assert controller.groups_published == paused_at  # held: the trainer has taken nothing
+        # backlog >= bound (6) stops it; a stale reading (0.5 s) and the in-flight window allow a little more
+        assert 3 <= paused_at <= 3 + 2 + 2
+        assert await controller.trainer_backlog() >= 6
+        taken = 0
+        while taken < 2 * paused_at:  # the trainer takes the backlog: publishing resumes
+            for msg in await trainer_sub.fetch(64, timeout=2.0):
+                await msg.ack()
+                taken += 1
+        await asyncio.sleep(2.0)
+        assert controller.groups_published > paused_at
+    finally:
+        stop.set()
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

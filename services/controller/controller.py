@@ -2,7 +2,10 @@
 
 * Plan: a task mix (``controller.tasks``), groups of ``group_size`` episodes of the same task instance,
   published as jobs on ``jobs.<task>`` until the trainer has done ``trainer.steps`` steps.
-* Backpressure: at most ``max_inflight`` episodes published and not yet finished. Because rollout
+* Backpressure: at most ``max_inflight`` episodes published and not yet finished, and none published
+  while ``max_backlog`` finished trajectories wait for the trainer (read off the trainer's consumer on
+  TRAJ): rollouts never wait for a training step, but they do not run far ahead of the trainer either,
+  which would only burn CPU on data that is stale by the time it is trained on. Because rollout
   replicas pull jobs, more replicas simply drain the queue faster.
 * Lifecycle: an episode is *published*, then *finished* when its trajectory lands in TRAJ (each
   episode id counted once, whatever the redeliveries).
@@ -24,6 +27,7 @@ from nats.aio.client import Client
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from nats.js.errors import NotFoundError
 
 from shared.bus import dead_letter
 from shared.config import JetRLConfig
@@ -86,6 +90,9 @@ class Controller:
         self.groups_published = 0
         self._capacity = asyncio.Event()
         self.replicas: list[dict[str, Any]] = []
+        self._backlog = 0  # the last reading of the trainer's backlog (see backlog_full)
+        self._backlog_read_at = -1.0
+        self._finished_at_read = 0
 
     # ------------------------------------------------------------------ plan and publish
     async def fetch_task_ids(self, timeout_s: float = 120.0) -> dict[str, list[str]]:
@@ -117,7 +124,8 @@ class Controller:
         size = self.cfg.controller.group_size
         while not stop.is_set() and not self.training_done:
             self.expire_lost()
-            if len(self.inflight) + size > max(self.cfg.controller.max_inflight, size):
+            if (len(self.inflight) + size > max(self.cfg.controller.max_inflight, size)
+                    or await self.backlog_full()):
                 self._capacity.clear()
                 try:
                     await asyncio.wait_for(self._capacity.wait(), timeout=1.0)
@@ -172,6 +180,40 @@ class Controller:
         self.state = "finished"
         await self.nc.publish(self.subjects.run_control, encode(RunControl(event="eval_finished", info=report)))
         return report
+
+    @property
+    def backlog_bound(self) -> float:
+        """Never below what one training step needs (min_groups whole groups), or the run would stall."""
+        c = self.cfg.controller
+        if c.max_backlog <= 0 or c.mode != "train":
+            return float("inf")
+        return max(c.max_backlog, self.cfg.trainer.min_groups * c.group_size)
+
+    async def backlog_full(self) -> bool:
+        """Finished trajectories not yet trained on >= the bound. The trainer's consumer is read at most
+        every 0.5 s; in between, every trajectory finished since the last reading counts as waiting (an
+        upper bound: fast rollouts cannot overshoot the bound between readings)."""
+        bound = self.backlog_bound
+        if bound == float("inf"):
+            return False
+        estimate = self._backlog + len(self.finished) - self._finished_at_read
+        if estimate >= bound and time.monotonic() - self._backlog_read_at >= 0.5:
+            estimate = await self.trainer_backlog()
+        return estimate >= bound
+
+    async def trainer_backlog(self) -> int:
+        """Trajectories in TRAJ the trainer has not trained on yet: its consumer's pending + delivered and
+        unacked. Before the trainer's consumer exists: every finished one."""
+        self._backlog_read_at = time.monotonic()
+        self._finished_at_read = len(self.finished)
+        try:
+            info = await self.js.consumer_info(self.subjects.traj_stream, self.subjects.trainer_consumer)
+            self._backlog = int(info.num_pending or 0) + int(info.num_ack_pending or 0)
+        except NotFoundError:
+            self._backlog = len(self.finished)
+        except (TimeoutError, NatsTimeout) as exc:
+            log.warning("trainer_backlog_unknown", error=repr(exc))  # keep the last reading
+        return self._backlog
 
     def expire_lost(self) -> None:
         """Episodes whose jobs ran out of deliveries never report back: free their in-flight slots."""
