@@ -162,6 +162,9 @@ class TrainerConfig:
     staleness_mode: str = opt("drop", "beyond the bound: drop the trajectory | downweight its tokens")
     staleness_downweight: float = opt(0.5, "token weight of a too-stale trajectory in downweight mode")
     sft_min_reward: float = opt(1.0, "sft: train only on trajectories with at least this reward")
+    sft_context_weight: float = opt(0.0, "sft: weight of the cross-entropy on the tokens after the system message "
+                                         "that the agent did not write (task, tool results); > 0 teaches a small "
+                                         "model from scratch to read and copy from its context")
     group_timeout_s: float = opt(300.0, "an incomplete group older than this is trained on as it is")
     ack_wait_s: float = opt(600.0, "trajectories held this long without an ack are redelivered")
     keep_weight_versions: int = opt(3, "weight objects kept in the object store")

@@ -261,3 +261,34 @@ async def test_controller_pauses_while_the_trainer_backlog_is_full(nc, config, s
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def test_sft_context_mask_takes_task_and_tool_results_not_system_prompt_or_own_tokens() -> None:
+    from services.trainer.trainer import _context_mask
+
+    # 7 = <|im_start|>: system block [0..3), user block [3..6), assistant [6..8) (own), tool result [8..10)
+    traj = make_traj("e", "g", 1.0, [7, 1, 2, 7, 3, 4, 7, 5, 7, 6], [-0.1, -0.2, -0.3])
+    traj.loss_mask = [0, 0, 0, 0, 0, 0, 0, 1, 0, 0]
+    assert _context_mask([traj], 11)[0].tolist() == [False] * 3 + [True] * 4 + [False, True, True, False]
+
+
+async def test_sft_learns_the_demonstrations_and_the_context_term_adds_to_the_loss(nc, config, subjects,
+                                                                                    model_path, tmp_path) -> None:
+    import torch
+
+    torch.manual_seed(0)
+    config.trainer.mode, config.trainer.lr = "sft", 3e-3
+    demos = []
+    for i in range(2):
+        tokens = [1, 50, 51, 52, 1, 60 + i, 61 + i, 62 + i, 1, 60 + i, 61 + i, 62 + i, 2]
+        traj = make_traj(f"e{i}", "g", 1.0, tokens, [-1.0, -1.0, -1.0])
+        traj.loss_mask = [0] * 9 + [1, 1, 1, 1]  # the agent copies the user's three tokens
+        demos.append(traj)
+    plain = Trainer(nc, nc.jetstream(), subjects, config.trainer, load_model(model_path), tmp_path, "t")
+    losses = [plain._sft(demos)["train/loss"] for _ in range(30)]
+    assert losses[-1] < 0.5 * losses[0]
+    config.trainer.sft_context_weight = 0.5
+    with_context = Trainer(nc, nc.jetstream(), subjects, config.trainer, load_model(model_path), tmp_path, "t")
+    stats = with_context._sft(demos)
+    assert stats["train/loss"] == pytest.approx(losses[0], rel=1e-4)  # same assistant loss before any update
+    assert stats["train/context_loss"] > 0

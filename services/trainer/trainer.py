@@ -231,24 +231,35 @@ class Trainer:
         return stats
 
     def _sft(self, demos: list[Trajectory]) -> dict[str, float]:
-        """Cross-entropy on the assistant tokens of successful trajectories (oracle warm start)."""
+        """Cross-entropy on the assistant tokens of successful trajectories (oracle warm start); with
+        ``sft_context_weight`` > 0 also on the context after the system message (task, tool results)."""
         self._apply_lr_schedule()
         if not demos:
             return {"train/sft_trajectories": 0.0}
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         num_tokens = sum(sum(t.loss_mask[1:]) for t in demos)
-        total = 0.0
+        context_weight = self.cfg.sft_context_weight
+        total, context_total, context_tokens = 0.0, 0.0, 0
         for chunk in _micro_batches(demos, self.cfg.micro_batch_tokens):
             ids, attn, mask, _, temps = _pad(chunk)
-            logp = token_logprobs(self.model, ids, attn, mask[:, 1:].bool(), torch.ones_like(temps))
-            loss = -logp.sum() / num_tokens
+            own = mask[:, 1:].bool()
+            trained = own | _context_mask(chunk, ids.shape[1])[:, 1:] if context_weight > 0 else own
+            logp = token_logprobs(self.model, ids, attn, trained, torch.ones_like(temps))
+            is_own = own[trained]
+            # normalised by the assistant tokens alone: the context term adds to, never dilutes, the SFT loss
+            loss = -(logp[is_own].sum() + context_weight * logp[~is_own].sum()) / num_tokens
             self.backward(loss)
-            total += float(loss.detach())
+            total += float(-logp[is_own].detach().sum()) / num_tokens
+            context_total += float(-logp[~is_own].detach().sum())
+            context_tokens += int((~is_own).sum())
         grad_norm = self.optimizer_step()
         self.model.eval()
-        return {"train/loss": total, "train/grad_norm": grad_norm, "train/tokens": float(num_tokens),
-                "train/sft_trajectories": float(len(demos)), "train/lr": self.current_lr()}
+        stats = {"train/loss": total, "train/grad_norm": grad_norm, "train/tokens": float(num_tokens),
+                 "train/sft_trajectories": float(len(demos)), "train/lr": self.current_lr()}
+        if context_tokens:
+            stats["train/context_loss"] = context_total / context_tokens
+        return stats
 
     def _batch_stats(self, trajs: list[Trajectory]) -> dict[str, float]:
         stats: dict[str, float] = {"train/trajectories": float(len(trajs))}
@@ -348,6 +359,20 @@ def _micro_batches(trajs: list[Trajectory], max_tokens: int) -> list[list[Trajec
             chunks.append([t])
             width = len(t.tokens)
     return chunks
+
+
+def _context_mask(chunk: list[Trajectory], width: int) -> torch.Tensor:
+    """Tokens after the system message that the agent did not write: the user's task and every tool
+    result. ChatML opens each message with the same token, so the system message ends where the
+    first token occurs again; the system prompt itself (the same in every episode) is left out."""
+    out = torch.zeros((len(chunk), width), dtype=torch.bool)
+    for i, t in enumerate(chunk):
+        try:
+            start = t.tokens.index(t.tokens[0], 1)
+        except (ValueError, IndexError):
+            continue
+        out[i, start:len(t.tokens)] = torch.tensor(t.loss_mask[start:]) == 0
+    return out
 
 
 def _pad(chunk: list[Trajectory]) -> tuple[torch.Tensor, ...]:
