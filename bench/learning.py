@@ -257,7 +257,7 @@ def plots(results: dict[str, Any], out: Path, docs: Path, tasks: list[str], pref
                       for j in range(len(ys))]
             color = f"C{i}"
             ax.plot(xs, ys, color=color, alpha=0.25, lw=0.8)
-            ax.plot(xs, smooth, color=color, label=f"{t} (train episodes, T=1)")
+            ax.plot(xs, smooth, color=color, label=f"{t} (training episodes, sampled)")
             for split, marker in (("test", "o"), ("train", "s")):
                 before = success(results["evals"].get(f"warm_start@{split}", {}).get("report"), t)
                 after = success(results["evals"].get(f"{name}@{split}", {}).get("report"), t)
