@@ -292,3 +292,26 @@ async def test_sft_learns_the_demonstrations_and_the_context_term_adds_to_the_lo
     stats = with_context._sft(demos)
     assert stats["train/loss"] == pytest.approx(losses[0], rel=1e-4)  # same assistant loss before any update
     assert stats["train/context_loss"] > 0
+
+
+async def test_a_batch_without_signal_leaves_the_weights_alone(nc, config, subjects, model_path, tmp_path) -> None:
+    """After a real update AdamW holds momentum; a batch whose groups are all-equal (zero advantage
+    everywhere) must not move the weights along it."""
+    import torch
+
+    model = load_model(model_path)
+    config.trainer.lr = 1e-2
+    trainer = Trainer(nc, nc.jetstream(), subjects, config.trainer, model, tmp_path, "trainer-test")
+    tokens = [1, 2, 3, 4, 10, 11, 12]
+
+    def batch(rewards: list[float]) -> list[Trajectory]:
+        return [make_traj(f"e{i}", "g", r, tokens[:4] + [t + i for t in tokens[4:]], [-1.0, -1.0, -1.0])
+                for i, r in enumerate(rewards)]
+
+    stats = trainer._optimise(batch([1.0, 0.0]))
+    assert stats["train/grad_norm"] > 0 and "train/skipped_update" not in stats
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    for rewards in ([0.0, 0.0], [1.0, 1.0]):
+        stats = trainer._optimise(batch(rewards))
+        assert stats["train/skipped_update"] == 1.0 and stats["train/grad_norm"] == 0.0
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())

@@ -182,6 +182,12 @@ class Trainer:
             hist = torch.histc(token_adv[sel], bins=10, min=-3.0, max=3.0)
             stats[f"task/{task}/adv_hist"] = [int(x) for x in hist.tolist()]  # bins of 0.6 over [-3, 3]
         token_adv = token_adv * token_weight
+        if self.ref_model is None and not bool(token_adv.any()):
+            # Every group all-success or all-failure: the policy gradient is exactly zero. An AdamW step
+            # would still move every weight along its old momentum, so there is no step at all.
+            stats.update({"train/skipped_update": 1.0, "train/grad_norm": 0.0, "train/loss": 0.0,
+                          "train/tokens": float(token_adv.numel()), "train/lr": self.current_lr()})
+            return stats
 
         chunks = _micro_batches(usable, self.cfg.micro_batch_tokens)
         padded = [_pad(c) for c in chunks]
