@@ -72,8 +72,8 @@ def run_cmd(cmd: list[str], log_file: Path, time_limit_s: float) -> dict[str, An
         except subprocess.TimeoutExpired:
             timed_out = True
             proc.send_signal(signal.SIGINT)
-            try:
-                rc = proc.wait(timeout=60)
+            try:  # jetrl gives the trainer up to 300 s to finish its step and save the model
+                rc = proc.wait(timeout=360)
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 rc = proc.wait()

@@ -63,14 +63,17 @@ class Supervisor:
     def dead(self) -> list[tuple[str, int]]:
         return [(n, p.returncode) for n, p in self.procs.items() if p.poll() is not None]
 
-    def stop_all(self, timeout_s: float = 20.0) -> None:
+    def stop_all(self, timeout_s: float = 20.0, trainer_grace_s: float = 300.0) -> None:
+        """SIGTERM to every role, then SIGKILL past the timeout. The trainer gets longer: it finishes the
+        step it is in (tens of seconds on a CPU) and then saves ``<run>/model``, the run's result."""
         for p in self.procs.values():
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + timeout_s
-        for p in self.procs.values():
+        started = time.monotonic()
+        for name, p in sorted(self.procs.items(), key=lambda item: item[0].startswith("trainer")):
+            grace = trainer_grace_s if name.startswith("trainer") else timeout_s
             try:
-                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+                p.wait(timeout=max(0.1, started + grace - time.monotonic()))
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()

@@ -173,3 +173,30 @@ def test_killed_rollout_replica_job_is_redelivered_and_counted_once(config: JetR
     assert [r["step"] for r in rows] == [1, 2, 3]
     consumed = sum(int(r["train/trajectories"]) for r in rows)
     assert consumed <= len(set(ids))  # the trainer never trained on an episode twice
+
+
+def test_stopping_a_run_gives_the_trainer_time_to_save_and_kills_a_stuck_role(tmp_path: Path) -> None:
+    """`jetrl up` on Ctrl-C: a trainer in the middle of a long step still saves; a role that ignores
+    SIGTERM is killed after the short timeout."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from jetrl.cli import Supervisor
+
+    saved = tmp_path / "model-saved"
+    trainer = ("import signal, time, pathlib\n"
+               "signal.signal(signal.SIGTERM, lambda *a: None)\n"  # finishes its step, then saves
+               "print('ready', flush=True); time.sleep(2.0)\n"
+               f"pathlib.Path({str(saved)!r}).write_text('ok')\n")
+    stuck = "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\nprint('ready', flush=True)\ntime.sleep(60)\n"
+    sup = Supervisor(JetRLConfig(), tmp_path / "config.toml", tmp_path)
+    for name, code in (("trainer", trainer), ("rollout-0", stuck)):
+        sup.procs[name] = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
+        assert sup.procs[name].stdout.readline().strip() == b"ready"
+    started = time.monotonic()
+    sup.stop_all(timeout_s=0.5, trainer_grace_s=30.0)
+    assert saved.read_text() == "ok"
+    assert sup.procs["rollout-0"].returncode == -signal.SIGKILL
+    assert time.monotonic() - started < 20
