@@ -29,7 +29,7 @@ from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
 
-from shared.bus import dead_letter
+from shared.bus import decode_or_dead_letter
 from shared.config import JetRLConfig
 from shared.envapi import EnvClient, EnvError
 from shared.messages import (
@@ -239,13 +239,11 @@ class Controller:
                 msgs = await sub.fetch(128, timeout=1.0)
             except (TimeoutError, NatsTimeout):
                 continue
-            for msg in msgs:
-                try:
-                    self.on_trajectory(decode(msg.data, Trajectory))
-                except BadMessage as exc:
-                    await dead_letter(self.js, self.subjects, service="controller", origin_subject=msg.subject,
-                                      reason=exc.reason, payload=msg.data)
-                await msg.ack()
+            for msg in msgs:  # a bad one is dead-lettered and terminated by the shared helper
+                traj = await decode_or_dead_letter(self.js, self.subjects, "controller", msg, Trajectory)
+                if traj is not None:
+                    self.on_trajectory(traj)
+                    await msg.ack()
 
     def on_trajectory(self, traj: Trajectory) -> None:
         if traj.episode_id in self.finished:

@@ -238,8 +238,8 @@ class Trainer:
 
     def _sft(self, demos: list[Trajectory]) -> dict[str, float]:
         """Cross-entropy on the assistant tokens of successful trajectories (oracle warm start); with
-        ``sft_context_weight`` > 0 also on the context after the system message (task, tool results)."""
-        self._apply_lr_schedule()
+        ``sft_context_weight`` > 0 also on the context after the system message (task, tool results).
+        Called by ``_optimise``, which has set this step's learning rate."""
         if not demos:
             return {"train/sft_trajectories": 0.0}
         self.model.train()
