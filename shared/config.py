@@ -87,6 +87,9 @@ class EnvConfig:
     db_query_timeout_s: float = opt(5.0, "db: time limit of one SQL statement (keep below action_timeout_s)")
     db_max_rows: int = opt(1000, "db: rows read from one result set before it is cut")
     db_agentbench_file: str = opt("", "db: AgentBench dbbench jsonl served as split 'dev'; empty = none")
+    db_levels: list[int] = opt([1, 2, 3], "db: difficulty levels of the generated splits (1 one table, 2 one table "
+                                          "with two conditions, 3 several tables); task i has level 1 + i % 3 and "
+                                          "the others of the num_*_tasks are left out")
     webshop_num_products: int = opt(52000, "webshop: products in the generated catalogue (built once, cached)")
     webshop_max_observation_chars: int = opt(2400, "webshop: replaces max_observation_chars (a results page "
                                                    "is ~1.5k characters)")

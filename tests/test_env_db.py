@@ -107,6 +107,19 @@ def test_generated_tasks_are_stable_disjoint_and_cover_levels_and_types(env) -> 
         env.task("test-00001", "train")
 
 
+def test_db_levels_selects_a_curriculum_and_refuses_the_rest() -> None:
+    easy = make_env(EnvConfig(num_train_tasks=12, num_test_tasks=9, db_levels=[1, 2]))
+    try:
+        ids = easy.task_ids("test")
+        assert ids == ["test-00000", "test-00001", "test-00003", "test-00004", "test-00006", "test-00007"]
+        with pytest.raises(KeyError):  # level 3: outside the curriculum, as if it did not exist
+            easy.task("test-00002", "test")
+    finally:
+        easy.close()
+    with pytest.raises(ValueError, match="db_levels"):
+        make_env(EnvConfig(db_levels=[4]))
+
+
 def test_oracle_solves_a_sample_of_generated_tasks(env) -> None:
     ids = [("train", t) for t in env.task_ids("train")[::10]] + [("test", t) for t in env.task_ids("test")[::10]]
     rewards = [play_oracle(env, tid, split) for split, tid in ids]

@@ -20,7 +20,7 @@ import structlog
 
 from services.envs.base import Episode, TaskEnv, ToolCall, ToolError, ToolResult
 from services.envs.db.backends import Limits, MariaDBServer, SQLiteDB
-from services.envs.db.generate import generate
+from services.envs.db.generate import generate, level_of
 from services.envs.db.grading import answers_from_rows, compare
 from services.envs.db.tasks import Task, load_agentbench, opening_messages
 from shared.config import EnvConfig
@@ -129,6 +129,10 @@ class DBEnv(TaskEnv):
         if cfg.db_agentbench_file:
             self.dev = {t.task_id: t for t in load_agentbench(Path(cfg.db_agentbench_file))}
         self.counts = {"train": cfg.num_train_tasks, "test": cfg.num_test_tasks}
+        unknown = set(cfg.db_levels) - {1, 2, 3}
+        if unknown or not cfg.db_levels:
+            raise ValueError(f"db_levels must be a non-empty subset of [1, 2, 3], got {cfg.db_levels}")
+        self.levels = frozenset(cfg.db_levels)
         self._cache: dict[str, Task] = {}
         self._gold: dict[tuple[str, str], Any] = {}
         self._lock = threading.Lock()
@@ -141,13 +145,14 @@ class DBEnv(TaskEnv):
     def task_ids(self, split: str) -> list[str]:
         if split == "dev":
             return list(self.dev)
-        return [f"{split}-{i:05d}" for i in range(self.counts.get(split, 0))]
+        return [f"{split}-{i:05d}" for i in range(self.counts.get(split, 0)) if level_of(i) in self.levels]
 
     def task(self, task_id: str, split: str) -> Task:
         if split == "dev":
             return self.dev[task_id]
         prefix, _, num = task_id.rpartition("-")
-        if prefix != split or split not in self.counts or not num.isdigit() or int(num) >= self.counts[split]:
+        if (prefix != split or split not in self.counts or not num.isdigit() or int(num) >= self.counts[split]
+                or level_of(int(num)) not in self.levels):
             raise KeyError(task_id)
         with self._lock:
             if task_id not in self._cache:

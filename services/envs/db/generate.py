@@ -300,10 +300,15 @@ def tie_check(sql: str) -> str:
 
 
 # -------------------------------------------------------------------------------------- catalogue
+def level_of(index: int) -> int:
+    """The difficulty level of generated task ``index``: the levels take turns, so any prefix is balanced."""
+    return 1 + index % 3
+
+
 def generate(split: str, index: int, pydataset_tables: dict[str, Sequence[Table]] | None = None,
              multi: Callable[[random.Random, str], tuple[str, str, str, list[Table]]] | None = None) -> Task:
     """Task ``<split>-<index>``: deterministic in (split, index) and the given sources."""
-    level = 1 + index % 3
+    level = level_of(index)
     real = (pydataset_tables or {}).get(split, [])
     for attempt in range(50):
         rng = random.Random(f"db:{split}:{index}:{attempt}")
