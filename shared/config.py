@@ -111,8 +111,9 @@ class EnvConfig:
 
 @dataclass
 class RolloutConfig:
-    engine: str = opt("hf", "generation engine: hf (transformers) | vllm (scale-out) | oracle (plays the env's "
-                                     "scripted expert)")
+    engine: str = opt("continuous", "generation engine: continuous (continuous batching, KV cache kept across "
+                                    "turns and shared by a group) | hf (transformers generate, the reference) | "
+                                    "vllm (scale-out) | oracle (plays the env's scripted expert)")
     engine_kind: str = opt("current", "current (loads every weight version) | stale (one every stale_every versions)")
     stale_every: int = opt(25, "a stale engine takes new weights only every this many versions (AgentRL: 25)")
     pool: str = opt("default", "generation pool this replica's engine serves and draws from")
@@ -129,6 +130,10 @@ class RolloutConfig:
     env_timeout_s: float = opt(30.0, "seconds to wait for an env reply before the episode fails")
     env_start_timeout_s: float = opt(180.0, "seconds to wait for an env to start a session (init scripts can be slow)")
     torch_threads: int = opt(1, "torch intra-op threads for generation")
+    max_batch: int = opt(64, "continuous engine: sequences decoded together at most")
+    prefill_chunk: int = opt(512, "continuous engine: prompt tokens encoded per step (decoding never waits longer)")
+    kv_cache_tokens: int = opt(65536, "continuous engine: tokens of KV cache kept for later turns and shared "
+                                      "prefixes (~46 KB each for SmolLM2 in fp32)")
     # scale-out (services/rollout/vllm_engine.py): engine = "vllm" needs vllm (its own venv: make venv-vllm)
     device: str = opt("cpu", "hf engine device: cpu | cuda (vllm picks its own platform)")
     vllm_dtype: str = opt("auto", "vllm: weights/compute dtype: auto (the checkpoint's) | float32 | bfloat16")
@@ -150,8 +155,19 @@ class TrainerConfig:
     min_groups: int = opt(2, "a step starts once at least this many complete groups are ready")
     max_groups: int = opt(64, "a step takes at most this many groups (dynamic batch upper bound)")
     clip_eps: float = opt(0.2, "PPO clip range")
-    task_norm: bool = opt(True, "task advantage normalisation (per-task zero mean / unit variance)")
-    micro_batch_tokens: int = opt(8192, "tokens per forward/backward chunk (gradient accumulation)")
+    task_norm: str = opt("scale", "task advantage normalisation: scale (each task's tokens divided by their "
+                                  "standard deviation, tokens of zero-signal groups left out and left at 0: no "
+                                  "sign changes) | paper (AgentRL: per-task zero mean / unit variance over every "
+                                  "token) | off")
+    micro_batch_tokens: int = opt(4096, "packed tokens per forward/backward chunk (gradient accumulation); a "
+                                        "shared prefix counts once")
+    shared_prefix: bool = opt(True, "run the common opening of trajectories (a group's task, a task's system "
+                                    "prompt) once per micro-batch, with gradient, instead of once per trajectory")
+    lora_rank: int = opt(0, "LoRA adapter rank (PEFT); 0 = full fine-tuning. With LoRA only the adapter trains, "
+                            "is checkpointed and is broadcast")
+    lora_alpha: float = opt(32.0, "LoRA alpha (the adapter's update is scaled by alpha / rank)")
+    lora_targets: list[str] = opt(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+                                  "modules that get LoRA adapters")
     checkpoint_every: int = opt(1, "save a checkpoint every N steps (0 = only at the end)")
     torch_threads: int = opt(2, "torch intra-op threads for training")
     broadcast_dtype: str = opt("float32", "dtype of broadcast weights: float32 | bfloat16")
@@ -318,6 +334,12 @@ def validate(cfg: JetRLConfig) -> None:
         raise ConfigError("trainer.dual_clip must be 0 (off) or > 1")
     if cfg.rollout.engine_kind not in ("current", "stale") or not 0 <= cfg.rollout.cross_policy_prob <= 1:
         raise ConfigError("rollout.engine_kind must be current|stale and cross_policy_prob in [0, 1]")
+    if cfg.trainer.task_norm not in ("scale", "paper", "off"):
+        raise ConfigError(f"trainer.task_norm must be scale | paper | off, got {cfg.trainer.task_norm!r}")
+    if cfg.trainer.lora_rank < 0:
+        raise ConfigError("trainer.lora_rank must be >= 0 (0 = full fine-tuning)")
+    if cfg.rollout.engine not in ("continuous", "hf", "vllm", "oracle"):
+        raise ConfigError(f"rollout.engine must be continuous | hf | vllm | oracle, got {cfg.rollout.engine!r}")
     if cfg.trainer.broadcast_dtype not in ("float32", "bfloat16"):
         raise ConfigError("trainer.broadcast_dtype must be float32 or bfloat16")
     if cfg.run.log_format not in ("console", "json"):

@@ -299,6 +299,8 @@ class WeightsAnnouncement:
     size: int
     dtype: str
     ts: float = field(default_factory=now)
+    format: str = "full"
+    """``full``: every weight; ``lora``: an adapter (``shared.model.lora_delta``) to add to the base weights."""
 
 
 @dataclass

@@ -127,13 +127,81 @@ def load_model(path: Path, dtype: torch.dtype = torch.float32, device: str = "cp
 def weights_to_bytes(model: torch.nn.Module, dtype: str = "float32") -> bytes:
     """Full state dict as safetensors bytes. Tied weights are written out separately on purpose:
     an engine that loads by name (vLLM) silently keeps a stale ``lm_head`` otherwise."""
+    state = dict(model.state_dict())
+    if "lm_head.weight" not in state and "model.embed_tokens.weight" in state:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    return weights_to_bytes_of(state, dtype)
+
+
+def weights_to_bytes_of(state: dict[str, torch.Tensor], dtype: str = "float32") -> bytes:
     from safetensors.torch import save
 
     target = getattr(torch, dtype)
-    state = {name: t.detach().to("cpu", target).contiguous().clone() for name, t in model.state_dict().items()}
+    return save({name: t.detach().to("cpu", target).contiguous().clone() for name, t in state.items()})
+
+
+# ---------------------------------------------------------------------------------------------- LoRA
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+_LORA_A, _LORA_B = ".lora_A", ".lora_B"
+
+
+def add_lora(model: Any, rank: int, alpha: float, targets: list[str]) -> Any:
+    """Wrap ``model`` with PEFT LoRA adapters (B = 0 at the start, so the policy is unchanged); only the
+    adapters train."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(targets), lora_dropout=0.0, bias="none")
+    return get_peft_model(model, config)
+
+
+def lora_delta(model: Any) -> dict[str, torch.Tensor]:
+    """The adapter as ``{module}.lora_A`` and ``{module}.lora_B`` (scaling folded into B) under the
+    base model's module names, so that ``W = W0 + B @ A`` for ``{module}.weight``."""
+    from peft.tuners.lora import LoraLayer
+
+    out: dict[str, torch.Tensor] = {}
+    base = model.get_base_model()
+    for name, module in base.named_modules():
+        if isinstance(module, LoraLayer):
+            for adapter in module.active_adapters:
+                out[name + _LORA_A] = module.lora_A[adapter].weight
+                out[name + _LORA_B] = module.lora_B[adapter].weight * module.scaling[adapter]
+    return out
+
+
+def lora_delta_bytes(model: Any, dtype: str = "float32") -> bytes:
+    return weights_to_bytes_of(lora_delta(model), dtype)
+
+
+def merge_lora_delta(base: dict[str, torch.Tensor], delta: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Full weights from the base state and a broadcast adapter (``lora_delta``); tensors the adapter
+    does not touch are the base's own (not copied)."""
+    merged = dict(base)
+    for key, a in delta.items():
+        if not key.endswith(_LORA_A):
+            continue
+        module = key[: -len(_LORA_A)]
+        b = delta.get(module + _LORA_B)
+        weight = base.get(module + ".weight")
+        if b is None or weight is None:
+            raise ValueError(f"adapter does not match the model: {module!r}")
+        merged[module + ".weight"] = weight + (b.float() @ a.float()).to(weight.dtype)
+    unknown = [k for k in delta if not k.endswith((_LORA_A, _LORA_B))]
+    if unknown:
+        raise ValueError(f"adapter has tensors that are not LoRA pairs: {unknown[:5]}")
+    return merged
+
+
+def load_state_file(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a model directory's safetensors files (the base weights an adapter is added to)."""
+    from safetensors.torch import load_file
+
+    state: dict[str, torch.Tensor] = {}
+    for file in sorted(Path(path).glob("*.safetensors")):
+        state.update(load_file(str(file)))
     if "lm_head.weight" not in state and "model.embed_tokens.weight" in state:
-        state["lm_head.weight"] = state["model.embed_tokens.weight"].clone()
-    return save(state)
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    return state
 
 
 def bytes_to_weights(data: bytes) -> dict[str, torch.Tensor]:
@@ -163,10 +231,11 @@ def load_weights_into(model: torch.nn.Module, state: dict[str, torch.Tensor],
             own[name].copy_(tensor.to(own[name].dtype))
 
 
-def save_checkpoint(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int, path: Path,
+def save_checkpoint(weights: bytes, optimizer: torch.optim.Optimizer, step: int, path: Path,
                     extra: dict[str, Any] | None = None) -> None:
+    """``weights``: safetensors bytes of what the trainer trains (the model, or a LoRA adapter)."""
     path.mkdir(parents=True, exist_ok=True)
-    (path / "model.safetensors").write_bytes(weights_to_bytes(model))
+    (path / "model.safetensors").write_bytes(weights)
     buf = io.BytesIO()
     torch.save({"optimizer": optimizer.state_dict(), "step": step, **(extra or {})}, buf)
     (path / "trainer_state.pt").write_bytes(buf.getvalue())

@@ -31,16 +31,33 @@ def test_task_normalisation_by_hand() -> None:
     # task a: 1,3 -> mean 2, std 1 -> -1,+1
     # task b: 2,2,5 -> mean 3, std sqrt(2) -> -0.70711,-0.70711,+1.41421
     adv = torch.tensor([1.0, 2.0, 3.0, 2.0, 5.0])
-    out = rl.task_normalize(adv, ["a", "b", "a", "b", "b"])
+    out = rl.task_normalize(adv, ["a", "b", "a", "b", "b"], "paper")
     assert out.tolist() == pytest.approx([-1.0, -0.70711, 1.0, -0.70711, 1.41421], abs=1e-4)
     for task in ("a", "b"):
         sel = torch.tensor([t == task for t in ["a", "b", "a", "b", "b"]])
         assert float(out[sel].mean()) == pytest.approx(0.0, abs=1e-6)
         assert float(out[sel].std(unbiased=False)) == pytest.approx(1.0, abs=1e-5)
     # a task whose tokens all share one advantage has nothing to say: zeros, not NaN
-    assert rl.task_normalize(torch.tensor([0.7, 0.7]), ["c", "c"]).tolist() == [0.0, 0.0]
+    assert rl.task_normalize(torch.tensor([0.7, 0.7]), ["c", "c"], "paper").tolist() == [0.0, 0.0]
     with pytest.raises(ValueError):
         rl.task_normalize(torch.tensor([1.0]), ["a", "b"])
+
+
+def test_task_scaling_keeps_zero_signal_tokens_at_zero_by_hand() -> None:
+    # task a: a success group of 3 tokens at +1 and a failure of 1 token at -1, then an all-fail group's
+    # 4 tokens at 0. paper mode: mean (3 - 1) / 8 = 0.25 -> the zero tokens become negative.
+    # scale mode: RMS over the 4 signal tokens = 1 -> +1,+1,+1,-1 and the zeros stay 0.
+    # task b: signal tokens +2, -2 -> RMS 2 -> +1, -1.
+    adv = torch.tensor([1.0, 1.0, 1.0, -1.0, 0.0, 0.0, 0.0, 0.0, 2.0, -2.0])
+    tasks = ["a"] * 8 + ["b", "b"]
+    paper = rl.task_normalize(adv, tasks, "paper")
+    assert all(x < 0 for x in paper[4:8].tolist())  # the failure the paper's formula reinforces
+    scaled = rl.task_normalize(adv, tasks, "scale")
+    assert scaled.tolist() == pytest.approx([1.0, 1.0, 1.0, -1.0, 0.0, 0.0, 0.0, 0.0, 1.0, -1.0], abs=1e-6)
+    assert rl.task_normalize(adv, tasks, "off").tolist() == adv.tolist()
+    assert rl.task_normalize(torch.zeros(3), ["c"] * 3, "scale").tolist() == [0.0, 0.0, 0.0]
+    with pytest.raises(ValueError):
+        rl.task_normalize(adv, tasks, "bogus")
 
 
 def test_ppo_clip_by_hand() -> None:

@@ -269,7 +269,7 @@ def test_sft_context_mask_takes_task_and_tool_results_not_system_prompt_or_own_t
     # 7 = <|im_start|>: system block [0..3), user block [3..6), assistant [6..8) (own), tool result [8..10)
     traj = make_traj("e", "g", 1.0, [7, 1, 2, 7, 3, 4, 7, 5, 7, 6], [-0.1, -0.2, -0.3])
     traj.loss_mask = [0, 0, 0, 0, 0, 0, 0, 1, 0, 0]
-    assert _context_mask([traj], 11)[0].tolist() == [False] * 3 + [True] * 4 + [False, True, True, False]
+    assert _context_mask(traj) == [0] * 3 + [1] * 4 + [0, 1, 1]
 
 
 async def test_sft_learns_the_demonstrations_and_the_context_term_adds_to_the_loss(nc, config, subjects,

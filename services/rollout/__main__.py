@@ -8,6 +8,7 @@ import signal
 import sys
 from contextlib import AsyncExitStack
 
+from services.rollout.continuous import ContinuousEngine
 from services.rollout.engine import HFEngine
 from services.rollout.worker import RolloutWorker
 from shared.bus import connect, declare_topology, heartbeat_loop, replica_name
@@ -31,7 +32,13 @@ async def main(argv: list[str]) -> None:
     tokenizer = load_tokenizer(model_path)
     engine_id = cfg.rollout.engine_id or replica_id
     engine = None  # the oracle "engine" plays the env's scripted expert: no model needed
-    if cfg.rollout.engine == "hf":
+    if cfg.rollout.engine == "continuous":
+        engine = ContinuousEngine(model_path, engine_id, [tokenizer.convert_tokens_to_ids("<|im_end|>")],
+                                  threads=cfg.rollout.torch_threads, max_batch=cfg.rollout.max_batch,
+                                  prefill_chunk=cfg.rollout.prefill_chunk, cache_tokens=cfg.rollout.kv_cache_tokens,
+                                  max_context=cfg.rollout.max_context_tokens, seed=cfg.run.seed,
+                                  device=cfg.rollout.device)
+    elif cfg.rollout.engine == "hf":
         engine = HFEngine(model_path, engine_id, [tokenizer.convert_tokens_to_ids("<|im_end|>")],
                           tokenizer.pad_token_id, threads=cfg.rollout.torch_threads, device=cfg.rollout.device)
     elif cfg.rollout.engine == "vllm":  # scale-out: vllm is installed only where it runs (make venv-vllm)
@@ -51,7 +58,7 @@ async def main(argv: list[str]) -> None:
         stack.push_async_callback(nc.drain)
         js = nc.jetstream()
         await declare_topology(js, subjects, cfg.nats, cfg.controller.heartbeat_ttl_s)
-        worker = RolloutWorker(nc, js, subjects, cfg.rollout, engine, tokenizer, replica_id)
+        worker = RolloutWorker(nc, js, subjects, cfg.rollout, engine, tokenizer, replica_id, model_path)
         jobs = [worker.report_metrics(), heartbeat_loop(js, subjects, "rollout", replica_id, {
             "engine_id": engine_id, "engine": cfg.rollout.engine, "kind": cfg.rollout.engine_kind, "pid": os.getpid()})]
         if engine is not None:

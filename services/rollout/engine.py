@@ -1,11 +1,18 @@
 """Generation engines: token ids in, sampled token ids and their behaviour logprobs out.
 
-``Engine`` is the interface the rollout worker drives; ``HFEngine`` implements it with transformers
-on the CPU (or one GPU). vLLM implements the same Protocol later (scale-out path).
+``Engine`` is the interface the rollout worker drives. ``QueuedEngine`` is the plumbing every engine
+shares: requests and weight updates go into one queue that a single worker thread owns, and each
+answer goes back to the asyncio loop that asked. Engines:
 
-The HF engine owns one worker thread. Requests that arrive while it is busy are batched together
-(left-padded), and a weight update waits its turn in the same queue, so it always lands *between*
-generations: a turn is generated entirely by one policy version, which the Generation records.
+* ``ContinuousEngine`` (``services/rollout/continuous.py``, the default): continuous batching over a
+  packed forward pass, a KV cache kept across the turns of an episode and shared by the episodes of a
+  group, logprobs of the sampled tokens only;
+* ``HFEngine`` (below): transformers' ``generate`` on batches of requests that arrive together; the
+  simple reference the others are tested against;
+* ``VLLMEngine`` (``services/rollout/vllm_engine.py``): vLLM, in its own venv.
+
+The rule for weights, in every engine: an update lands *between* generations, so a turn is generated
+entirely by one policy version, which its ``Generation`` records.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from typing import Any, Protocol
 
 import torch
 
+from shared.lm import token_logprobs
 from shared.model import load_model, load_weights_into
 
 
@@ -42,64 +50,98 @@ class Engine(Protocol):
 
 
 @dataclass
-class _Request:
+class Request:
     prompt: list[int]
     max_new_tokens: int
     temperature: float
     future: asyncio.Future[Any]
     loop: asyncio.AbstractEventLoop
 
+    def done(self, result: Any) -> None:
+        self.loop.call_soon_threadsafe(_set_result, self.future, result)
+
+    def fail(self, exc: BaseException) -> None:
+        self.loop.call_soon_threadsafe(_set_exception, self.future, exc)
+
 
 @dataclass
-class _WeightUpdate:
+class WeightUpdate:
     state: dict[str, torch.Tensor]
     version: int
     future: asyncio.Future[Any]
     loop: asyncio.AbstractEventLoop
 
+    def done(self, result: Any = None) -> None:
+        self.loop.call_soon_threadsafe(_set_result, self.future, result)
 
-class HFEngine:
-    """transformers ``generate`` with dynamic batching in one worker thread."""
+    def fail(self, exc: BaseException) -> None:
+        self.loop.call_soon_threadsafe(_set_exception, self.future, exc)
 
-    def __init__(self, model_path: Any, engine_id: str, stop_token_ids: list[int], pad_token_id: int,
-                 threads: int = 1, max_batch: int = 16, device: str = "cpu") -> None:
-        torch.set_num_threads(threads)
-        self.model = load_model(model_path, device=device).eval()
+
+STOP = None
+"""Put on the queue by ``close``: the worker thread returns."""
+
+
+class QueuedEngine:
+    """One worker thread owns the model; ``generate`` and ``update_weights`` queue work for it.
+    Subclasses implement ``_run``, which reads ``self._queue`` until it gets ``STOP``."""
+
+    engine_id: str
+    policy_version: int
+
+    def _start(self, engine_id: str) -> None:
         self.engine_id = engine_id
         self.policy_version = 0
-        self.stop_token_ids = stop_token_ids
-        self.pad_token_id = pad_token_id
-        self.max_batch = max_batch
-        self.device = device
-        self._queue: queue.Queue[_Request | _WeightUpdate | None] = queue.Queue()
+        self._queue: queue.Queue[Request | WeightUpdate | None] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name=f"engine-{engine_id}", daemon=True)
         self._thread.start()
 
-    # ------------------------------------------------------------------ async API
     async def generate(self, prompt: list[int], max_new_tokens: int, temperature: float) -> Generation:
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Generation] = loop.create_future()
-        self._queue.put(_Request(prompt, max_new_tokens, temperature, future, loop))
+        self._queue.put(Request(list(prompt), max_new_tokens, temperature, future, loop))
         return await future
 
     async def update_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
         loop = asyncio.get_running_loop()
         future: asyncio.Future[None] = loop.create_future()
-        self._queue.put(_WeightUpdate(state, version, future, loop))
+        self._queue.put(WeightUpdate(state, version, future, loop))
         await future
 
     def close(self) -> None:
-        self._queue.put(None)
-        self._thread.join(timeout=30)
+        self._queue.put(STOP)
+        self._thread.join(timeout=60)
 
-    # ------------------------------------------------------------------ worker thread
+    def _run(self) -> None:
+        raise NotImplementedError
+
+
+class HFEngine(QueuedEngine):
+    """transformers ``generate`` with dynamic batching in one worker thread (the reference engine)."""
+
+    def __init__(self, model_path: Any, engine_id: str, stop_token_ids: list[int], pad_token_id: int,
+                 threads: int = 1, max_batch: int = 16, device: str = "cpu") -> None:
+        torch.set_num_threads(threads)
+        self.model = load_model(model_path, device=device).eval()
+        self.stop_token_ids = stop_token_ids
+        self.pad_token_id = pad_token_id
+        self.max_batch = max_batch
+        self.device = device
+        self._start(engine_id)
+
     def _run(self) -> None:
         while True:
             item = self._queue.get()
-            if item is None:
+            if item is STOP:
                 return
-            if isinstance(item, _WeightUpdate):
-                self._settle(item, self._apply_weights, item)
+            if isinstance(item, WeightUpdate):
+                try:
+                    load_weights_into(self.model, item.state)
+                    self.policy_version = item.version
+                except Exception as exc:
+                    item.fail(exc)
+                else:
+                    item.done()
                 continue
             batch = [item]
             # Gather what else is waiting with the same sampling settings (stop at a weight update).
@@ -108,7 +150,7 @@ class HFEngine:
                     nxt = self._queue.get_nowait()
                 except queue.Empty:
                     break
-                if (isinstance(nxt, _Request) and nxt.temperature == item.temperature
+                if (isinstance(nxt, Request) and nxt.temperature == item.temperature
                         and nxt.max_new_tokens == item.max_new_tokens):
                     batch.append(nxt)
                 else:
@@ -118,25 +160,13 @@ class HFEngine:
                 results = self._generate_batch(batch)
             except Exception as exc:  # fail the requests, keep the engine alive
                 for req in batch:
-                    req.loop.call_soon_threadsafe(_set_exception, req.future, exc)
+                    req.fail(exc)
                 continue
             for req, result in zip(batch, results, strict=True):
-                req.loop.call_soon_threadsafe(_set_result, req.future, result)
-
-    def _settle(self, item: _WeightUpdate, fn: Any, *args: Any) -> None:
-        try:
-            fn(*args)
-        except Exception as exc:
-            item.loop.call_soon_threadsafe(_set_exception, item.future, exc)
-        else:
-            item.loop.call_soon_threadsafe(_set_result, item.future, None)
-
-    def _apply_weights(self, update: _WeightUpdate) -> None:
-        load_weights_into(self.model, update.state)
-        self.policy_version = update.version
+                req.done(result)
 
     @torch.no_grad()
-    def _generate_batch(self, batch: list[_Request]) -> list[Generation]:
+    def _generate_batch(self, batch: list[Request]) -> list[Generation]:
         temperature = batch[0].temperature
         width = max(len(r.prompt) for r in batch)
         ids = torch.full((len(batch), width), self.pad_token_id, dtype=torch.long)
@@ -154,8 +184,9 @@ class HFEngine:
         new_tokens = out.sequences[:, width:].cpu()
         # Behaviour logprobs: log-softmax of the raw logits at the sampling temperature (1 for greedy).
         logits = torch.stack(out.logits, dim=1).float().cpu()
-        logprobs = torch.log_softmax(logits / (temperature if temperature > 0 else 1.0), dim=-1)
-        token_lp = logprobs.gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)
+        steps = new_tokens.shape[1]
+        token_lp = token_logprobs(logits.reshape(-1, logits.shape[-1]), new_tokens.reshape(-1),
+                                  temperature if temperature > 0 else 1.0).view(len(batch), steps)
         results = []
         for i in range(len(batch)):
             toks, lps = new_tokens[i].tolist(), token_lp[i].tolist()

@@ -13,6 +13,7 @@ import random
 import time
 import zlib
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import structlog
@@ -43,7 +44,7 @@ from shared.messages import (
     decode,
     encode,
 )
-from shared.model import bytes_to_weights, digest
+from shared.model import bytes_to_weights, digest, load_state_file, merge_lora_delta
 from shared.subjects import Subjects
 
 log = structlog.get_logger()
@@ -70,8 +71,10 @@ class EpisodeBuffer:
 
 class RolloutWorker:
     def __init__(self, nc: Client, js: JetStreamContext, subjects: Subjects, cfg: RolloutConfig,
-                 engine: Engine | None, tokenizer: Any, replica_id: str) -> None:
+                 engine: Engine | None, tokenizer: Any, replica_id: str, model_path: Path | None = None) -> None:
         self.nc, self.js, self.subjects, self.cfg = nc, js, subjects, cfg
+        self.model_path = model_path  # the base weights a broadcast LoRA adapter is added to
+        self.base_weights: dict[str, Any] | None = None
         self.engine, self.tokenizer, self.replica_id = engine, tokenizer, replica_id
         if engine is None and cfg.engine != "oracle":
             raise ValueError(f"rollout.engine={cfg.engine!r} needs a model engine")
@@ -311,7 +314,14 @@ class RolloutWorker:
             data = await read_object(self.js, self.subjects.weights_bucket, note.object_name)
             if digest(data) != note.digest:
                 raise ValueError(f"weights v{note.version}: digest mismatch ({digest(data)} != {note.digest})")
-            await self.engine.update_weights(bytes_to_weights(data), note.version)
+            state = bytes_to_weights(data)
+            if note.format == "lora":  # an adapter: the full weights are the base's plus B @ A
+                if self.base_weights is None:
+                    self.base_weights = await asyncio.to_thread(load_state_file, self.model_path)
+                state = await asyncio.to_thread(merge_lora_delta, self.base_weights, state)
+            elif note.format != "full":
+                raise ValueError(f"weights v{note.version}: unknown format {note.format!r}")
+            await self.engine.update_weights(state, note.version)
             log.info("weights_loaded", policy_version=note.version, size=len(data),
                      seconds=round(time.monotonic() - started, 3))
 

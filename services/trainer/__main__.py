@@ -55,7 +55,7 @@ async def main(argv: list[str]) -> None:
         log.info("trainer_ready", model=str(model_path), steps=cfg.trainer.steps, min_groups=cfg.trainer.min_groups)
         await trainer.run(stop)
         # The final policy as a Hugging Face directory: `--model.name=<run>/model` starts from it.
-        await asyncio.to_thread(trainer.model.save_pretrained, run_dir / "model")  # full weights (ZeRO-3 too)
+        await asyncio.to_thread(trainer.export, run_dir / "model")  # full weights (LoRA merged, ZeRO-3 gathered)
         await asyncio.to_thread(load_tokenizer(model_path).save_pretrained, run_dir / "model")
         log.info("trainer_done", step=trainer.step, policy_version=trainer.policy_version, model=str(run_dir / "model"))
 

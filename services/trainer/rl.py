@@ -4,8 +4,9 @@
   over the episodes of one group (same task instance). Population std; a group whose rewards are all
   equal carries no signal and gets zeros.
 * Task advantage normalisation (AgentRL, Zhang et al. 2025, Sec. 3.3): token-level advantages are
-  standardised within each task's share of the batch, so that tasks with long trajectories or easy
-  rewards do not dominate the gradient. Zero mean, unit variance per task.
+  normalised within each task's share of the batch, so that tasks with long trajectories or easy
+  rewards do not dominate the gradient. The paper's zero mean / unit variance is one mode; the default
+  scales without re-centring, so groups without signal stay at zero (``task_normalize``).
 * PPO-clip (Schulman et al. 2017) with token-level aggregation (DAPO): the loss is summed over every
   trained token of the batch and divided by their count, not averaged per sequence first.
 * Decoupled PPO (Hilton et al. 2022; AReaL): clip against a *proximal* policy and correct for the
@@ -39,17 +40,35 @@ def group_advantages(rewards: torch.Tensor, group_ids: list[str], normalize_std:
     return adv
 
 
-def task_normalize(token_adv: torch.Tensor, token_task: list[str] | torch.Tensor) -> torch.Tensor:
-    """Standardise token-level advantages within each task (zero mean, unit variance per task).
+def task_normalize(token_adv: torch.Tensor, token_task: list[str] | torch.Tensor, mode: str = "paper") -> torch.Tensor:
+    """Normalise token-level advantages within each task.
 
     ``token_adv`` holds one value per *trained* token of the batch; ``token_task`` names its task
-    (a list of names, or integer task codes). A task whose advantages are all equal gets zeros.
+    (a list of names, or integer task codes). Modes:
+
+    * ``paper`` (AgentRL): zero mean, unit variance over every token of the task. When episode length
+      correlates with reward, re-centring gives the tokens of all-fail groups (advantage 0, no signal)
+      a non-zero advantage, and can flip the sign of others.
+    * ``scale``: divide each task's tokens by their root mean square, computed over the tokens that
+      carry signal (non-zero advantage). Nothing is re-centred: a zero stays zero, no sign changes.
+    * ``off``: unchanged.
+
+    A task whose advantages are all equal gets zeros (``paper``) or stays as it is (``scale``: zeros).
     """
+    if mode == "off":
+        return token_adv.float()
+    if mode not in ("paper", "scale"):
+        raise ValueError(f"unknown task normalisation {mode!r}")
     codes = _codes(token_task, token_adv.numel())
     out = torch.zeros_like(token_adv, dtype=torch.float32)
     for code in codes.unique():
         sel = codes == code
         a = token_adv[sel].float()
+        if mode == "scale":
+            signal = a[a != 0]
+            rms = signal.pow(2).mean().sqrt() if signal.numel() else torch.tensor(0.0)
+            out[sel] = a / rms if rms > EPS else torch.zeros_like(a)
+            continue
         std = a.std(unbiased=False)
         out[sel] = (a - a.mean()) / std if std > EPS else torch.zeros_like(a)
     return out

@@ -13,6 +13,8 @@ import copy
 import json
 import time
 from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,10 +28,21 @@ from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, ObjectMeta, ObjectMetaOptions
 
 from services.trainer import rl
+from services.trainer.packing import PackedBatch, pack, packed_logprobs, plan_micro_batches, shareable_length
 from shared.bus import decode_or_dead_letter, publish_metrics
 from shared.config import TrainerConfig
+from shared.lm import PackedLM
 from shared.messages import EpisodeStatus, Trajectory, WeightsAnnouncement, encode
-from shared.model import bytes_to_weights, digest, load_weights_into, save_checkpoint, weights_to_bytes
+from shared.model import (
+    add_lora,
+    bytes_to_weights,
+    digest,
+    load_weights_into,
+    lora_delta_bytes,
+    save_checkpoint,
+    weights_to_bytes,
+    weights_to_bytes_of,
+)
 from shared.subjects import Subjects
 
 log = structlog.get_logger()
@@ -46,20 +59,56 @@ class Group:
         return len(self.items) >= self.size
 
 
+@dataclass
+class TrainBatch:
+    """What one RL step trains on. Per trajectory (in ``trajs`` order): the advantage and behaviour
+    logprob of each trained token, and the sampling temperature; the prefix-shared micro-batches
+    index into ``trajs`` and lay trained tokens out trajectory by trajectory."""
+
+    trajs: list[Trajectory]
+    advantages: list[torch.Tensor]
+    behaviour: list[torch.Tensor]
+    temperature: list[float]
+    micro_batches: list[PackedBatch]
+    num_tokens: int
+
+
 class Trainer:
     def __init__(self, nc: Client, js: JetStreamContext, subjects: Subjects, cfg: TrainerConfig, model: Any,
                  run_dir: Path, replica_id: str) -> None:
         self.nc, self.js, self.subjects, self.cfg = nc, js, subjects, cfg
-        self.model, self.run_dir, self.replica_id = model, run_dir, replica_id
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas),
-                                           weight_decay=cfg.weight_decay)
+        self.run_dir, self.replica_id = run_dir, replica_id
+        self.lora = cfg.lora_rank > 0
+        self.model = add_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets) if self.lora else model
+        self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=cfg.lr,
+                                           betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
         self.step = 0
         self.policy_version = 0
         self.groups: dict[str, Group] = {}
         self.seen_episodes: set[str] = set()
         self.metrics_file = run_dir / "metrics.jsonl"
-        # KL needs the policy we started from, frozen.
-        self.ref_model = copy.deepcopy(model).eval().requires_grad_(False) if cfg.kl_coef > 0 else None
+        # KL needs the policy we started from, frozen: with LoRA that is the model with its adapter off.
+        self.ref_model = copy.deepcopy(model).eval().requires_grad_(False) if cfg.kl_coef > 0 and not self.lora \
+            else None
+
+    @contextmanager
+    def _reference(self) -> Iterator[PackedLM]:
+        if self.lora:
+            with self.model.disable_adapter():
+                yield PackedLM(self.model)
+        else:
+            yield PackedLM(self.ref_model)
+
+    def trained_weights(self) -> bytes:
+        """What a checkpoint keeps of the model: every weight, or with LoRA only the adapter."""
+        if self.lora:
+            return weights_to_bytes_of({k: v for k, v in self.model.named_parameters() if v.requires_grad})
+        return weights_to_bytes(self.model)
+
+    def export(self, path: Path) -> None:
+        """The final policy as a plain Hugging Face directory (LoRA merged in): ``--model.name=<path>``."""
+        model = self.model.merge_and_unload() if self.lora else self.model
+        model.save_pretrained(path)
 
     def resume(self) -> bool:
         """Continue from the newest checkpoint of the run directory, if any: same weights, optimizer,
@@ -72,8 +121,14 @@ class Trainer:
             log.warning("trainer_resume_unsupported", checkpoint=str(checkpoints[-1]))
             return False
         latest = checkpoints[-1]
-        load_weights_into(self.model, bytes_to_weights((latest / "model.safetensors").read_bytes()),
-                          allow_extra=("lm_head.weight",))
+        saved = bytes_to_weights((latest / "model.safetensors").read_bytes())
+        if self.lora:  # the adapter's tensors, by name; the base weights are the run's model
+            own = dict(self.model.named_parameters())
+            with torch.no_grad():
+                for name, tensor in saved.items():
+                    own[name].copy_(tensor)
+        else:
+            load_weights_into(self.model, saved, allow_extra=("lm_head.weight",))
         state = torch.load(latest / "trainer_state.pt", weights_only=False)
         self.optimizer.load_state_dict(state["optimizer"])
         self.step = int(state["step"])
@@ -135,7 +190,7 @@ class Trainer:
         self.policy_version = self.step
         publish_s = await self.publish_weights()
         if self.cfg.checkpoint_every and self.step % self.cfg.checkpoint_every == 0 or self.step == self.cfg.steps:
-            await asyncio.to_thread(save_checkpoint, self.model, self.optimizer, self.step,
+            await asyncio.to_thread(save_checkpoint, self.trained_weights(), self.optimizer, self.step,
                                     self.run_dir / "checkpoints" / f"step_{self.step:06d}",
                                     {"policy_version": self.policy_version})
         for g in groups:
@@ -153,6 +208,19 @@ class Trainer:
         stats = self._batch_stats(trajs)
         if self.cfg.mode == "sft":
             return stats | self._sft([t for t in usable if t.reward >= self.cfg.sft_min_reward])
+        batch = self._rl_batch(usable, stats)
+        if batch is None:
+            return stats
+        if self.cfg.kl_coef == 0 and not any(bool(a.any()) for a in batch.advantages):
+            # Every group all-success or all-failure: the policy gradient is exactly zero. An AdamW step
+            # would still move every weight along its old momentum, so there is no step at all.
+            stats.update({"train/skipped_update": 1.0, "train/grad_norm": 0.0, "train/loss": 0.0,
+                          "train/tokens": float(batch.num_tokens), "train/lr": self.current_lr()})
+            return stats
+        return stats | self._policy_update(batch)
+
+    def _rl_batch(self, usable: list[Trajectory], stats: dict[str, Any]) -> TrainBatch | None:
+        """Advantages per trained token, after the staleness filter and task normalisation."""
         # Oracle turns (version -1) come from no policy: they have no behaviour logprobs to correct with.
         usable = [t for t in usable if all(turn.policy_version >= 0 for turn in t.turns)]
         lag = [self.policy_version - t.min_policy_version for t in usable]
@@ -163,61 +231,69 @@ class Trainer:
         # Group statistics use every usable trajectory; dropped ones then contribute no tokens.
         seq_adv = rl.group_advantages(torch.tensor([t.reward for t in usable]), [t.group_id for t in usable])
         kept = [i for i, w in enumerate(weights) if w > 0]
-        usable = [usable[i] for i in kept]
-        if not usable:
-            return stats
-        # One advantage per trained token (position t predicts token t, scored from logits t-1).
-        token_adv = torch.cat([seq_adv[i].repeat(sum(usable[j].loss_mask[1:])) for j, i in enumerate(kept)])
-        token_weight = torch.cat([torch.full((sum(t.loss_mask[1:]),), weights[i]) for t, i in zip(usable, kept,
-                                                                                                 strict=True)])
-        token_task = [t.task for t in usable for m in t.loss_mask[1:] if m]
+        if not kept:
+            return None
+        trajs = [usable[i] for i in kept]
+        trained = [_trained_positions(t) for t in trajs]
+        counts = [len(p) for p in trained]
+        token_adv = torch.cat([seq_adv[i].repeat(n) for i, n in zip(kept, counts, strict=True)])
+        token_task = [t.task for t, n in zip(trajs, counts, strict=True) for _ in range(n)]
         for task in sorted(set(token_task)):
             sel = torch.tensor([x == task for x in token_task])
             stats[f"task/{task}/adv_mean_raw"] = float(token_adv[sel].mean())
             stats[f"task/{task}/adv_std_raw"] = float(token_adv[sel].std(unbiased=False))
-        if self.cfg.task_norm:
-            token_adv = rl.task_normalize(token_adv, token_task)
+        normalised = rl.task_normalize(token_adv, token_task, self.cfg.task_norm)
+        stats["train/adv_sign_flipped"] = float(((normalised * token_adv) < 0).sum() + ((normalised != 0)
+                                                                                       & (token_adv == 0)).sum())
         for task in sorted(set(token_task)):
             sel = torch.tensor([x == task for x in token_task])
-            hist = torch.histc(token_adv[sel], bins=10, min=-3.0, max=3.0)
+            hist = torch.histc(normalised[sel], bins=10, min=-3.0, max=3.0)
             stats[f"task/{task}/adv_hist"] = [int(x) for x in hist.tolist()]  # bins of 0.6 over [-3, 3]
-        token_adv = token_adv * token_weight
-        if self.ref_model is None and not bool(token_adv.any()):
-            # Every group all-success or all-failure: the policy gradient is exactly zero. An AdamW step
-            # would still move every weight along its old momentum, so there is no step at all.
-            stats.update({"train/skipped_update": 1.0, "train/grad_norm": 0.0, "train/loss": 0.0,
-                          "train/tokens": float(token_adv.numel()), "train/lr": self.current_lr()})
-            return stats
+        token_weight = torch.cat([torch.full((n,), weights[i]) for i, n in zip(kept, counts, strict=True)])
+        per_traj = list((normalised * token_weight).split(counts))
+        behaviour = [torch.tensor(t.logprobs, dtype=torch.float32)[p] for t, p in zip(trajs, trained, strict=True)]
+        return TrainBatch(trajs=trajs, advantages=per_traj, behaviour=behaviour,
+                          temperature=[t.temperature if t.temperature > 0 else 1.0 for t in trajs],
+                          micro_batches=self._micro_batches(trajs), num_tokens=sum(counts))
 
-        chunks = _micro_batches(usable, self.cfg.micro_batch_tokens)
-        padded = [_pad(c) for c in chunks]
-        # Proximal (and reference) logprobs: computed once per batch, before any update.
+    def _micro_batches(self, trajs: list[Trajectory], context: list[list[int]] | None = None) -> list[PackedBatch]:
+        """Prefix-shared micro-batches of at most ``micro_batch_tokens`` packed rows."""
+        seqs = [t.tokens for t in trajs]
+        marks = context if context is not None else [t.loss_mask for t in trajs]
+        shareable = [shareable_length(s, m) for s, m in zip(seqs, marks, strict=True)]
+        plans = plan_micro_batches(seqs, shareable, self.cfg.micro_batch_tokens)
+        return [pack(seqs, marks, order, share=self.cfg.shared_prefix) for order in plans]
+
+    def _policy_update(self, batch: TrainBatch) -> dict[str, Any]:
+        lm = PackedLM(self.model)
+        chunks = batch.micro_batches
+        temps = [_per_token(batch.temperature, mb) for mb in chunks]
+        advantages = [torch.cat([batch.advantages[i] for i in mb.order]) for mb in chunks]
+        behaviour = [torch.cat([batch.behaviour[i] for i in mb.order]) for mb in chunks]
+        # The proximal policy is the one before this batch's first update. With one optimizer step per
+        # batch it is the current policy itself (detached), so no separate pass is needed.
         proximal: list[torch.Tensor | None] = [None] * len(chunks)
         reference: list[torch.Tensor | None] = [None] * len(chunks)
         with torch.no_grad():
-            for k, (ids, attn, mask, _, temps) in enumerate(padded):
-                if self.cfg.loss == "decoupled":
-                    proximal[k] = token_logprobs(self.model, ids, attn, mask[:, 1:].bool(), temps)
-                if self.ref_model is not None:
-                    reference[k] = token_logprobs(self.ref_model, ids, attn, mask[:, 1:].bool(), temps)
-        offsets = [0]
-        for chunk_tensors in padded:
-            offsets.append(offsets[-1] + int(chunk_tensors[2][:, 1:].sum()))
+            if self.cfg.loss == "decoupled" and self.cfg.minibatches > 1:
+                proximal = [packed_logprobs(lm, mb, t) for mb, t in zip(chunks, temps, strict=True)]
+            if self.cfg.kl_coef > 0:
+                with self._reference() as ref:
+                    reference = [packed_logprobs(ref, mb, t) for mb, t in zip(chunks, temps, strict=True)]
 
         self.model.train()
         totals = {"loss": 0.0, "clipped": 0.0, "approx_kl": 0.0, "kl_ref": 0.0, "grad_norm": 0.0}
         parts = [list(range(len(chunks)))[m::self.cfg.minibatches] for m in range(self.cfg.minibatches)]
-        for part in (p for p in parts if p):
+        parts = [p for p in parts if p]
+        for part in parts:
             self.optimizer.zero_grad(set_to_none=True)
-            part_tokens = sum(offsets[k + 1] - offsets[k] for k in part)
+            part_tokens = sum(int(chunks[k].targets.numel()) for k in part)
             for k in part:
-                ids, attn, mask, behaviour, temps = padded[k]
-                trained = mask[:, 1:].bool()
-                logp = token_logprobs(self.model, ids, attn, trained, temps)
-                n = logp.numel()
-                loss, st = rl.policy_loss(logp, behaviour[:, 1:][trained], token_adv[offsets[k]: offsets[k + 1]],
-                                          torch.ones(n), part_tokens, clip_eps=self.cfg.clip_eps,
-                                          proximal_logp=proximal[k], is_cap=self.cfg.is_cap,
+                logp = packed_logprobs(lm, chunks[k], temps[k])
+                prox = proximal[k] if proximal[k] is not None else \
+                    (logp.detach() if self.cfg.loss == "decoupled" else None)
+                loss, st = rl.policy_loss(logp, behaviour[k], advantages[k], torch.ones(logp.numel()), part_tokens,
+                                          clip_eps=self.cfg.clip_eps, proximal_logp=prox, is_cap=self.cfg.is_cap,
                                           dual_clip=self.cfg.dual_clip or None)
                 if reference[k] is not None:
                     kl = rl.kl_k3(logp, reference[k]).sum() / part_tokens
@@ -229,12 +305,12 @@ class Trainer:
                 totals["approx_kl"] += st["approx_kl"]
             totals["grad_norm"] += self.optimizer_step() / len(parts)
         self.model.eval()
-        num_tokens = offsets[-1]
-        stats.update({"train/loss": totals["loss"], "train/clipfrac": totals["clipped"] / num_tokens,
-                      "train/approx_kl": totals["approx_kl"] / num_tokens, "train/kl_ref": totals["kl_ref"],
-                      "train/grad_norm": totals["grad_norm"], "train/tokens": float(num_tokens),
-                      "train/lr": self.current_lr()})
-        return stats
+        rows = sum(mb.num_rows for mb in chunks)
+        return {"train/loss": totals["loss"], "train/clipfrac": totals["clipped"] / batch.num_tokens,
+                "train/approx_kl": totals["approx_kl"] / batch.num_tokens, "train/kl_ref": totals["kl_ref"],
+                "train/grad_norm": totals["grad_norm"], "train/tokens": float(batch.num_tokens),
+                "train/packed_rows": float(rows), "train/unshared_rows": float(sum(len(t.tokens) for t in batch.trajs)),
+                "train/micro_batches": float(len(chunks)), "train/lr": self.current_lr()}
 
     def _sft(self, demos: list[Trajectory]) -> dict[str, float]:
         """Cross-entropy on the assistant tokens of successful trajectories (oracle warm start); with
@@ -242,17 +318,17 @@ class Trainer:
         Called by ``_optimise``, which has set this step's learning rate."""
         if not demos:
             return {"train/sft_trajectories": 0.0}
+        lm = PackedLM(self.model)
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        num_tokens = sum(sum(t.loss_mask[1:]) for t in demos)
+        own = [[int(m) for m in t.loss_mask] for t in demos]
         context_weight = self.cfg.sft_context_weight
+        scored = [_or(o, _context_mask(t)) for o, t in zip(own, demos, strict=True)] if context_weight > 0 else own
+        num_tokens = sum(sum(o[1:]) for o in own)
         total, context_total, context_tokens = 0.0, 0.0, 0
-        for chunk in _micro_batches(demos, self.cfg.micro_batch_tokens):
-            ids, attn, mask, _, temps = _pad(chunk)
-            own = mask[:, 1:].bool()
-            trained = own | _context_mask(chunk, ids.shape[1])[:, 1:] if context_weight > 0 else own
-            logp = token_logprobs(self.model, ids, attn, trained, torch.ones_like(temps))
-            is_own = own[trained]
+        for mb in self._micro_batches(demos, scored):
+            logp = packed_logprobs(lm, mb, torch.ones(mb.targets.numel()))
+            is_own = torch.cat([torch.tensor(own[i], dtype=torch.bool)[_positions(scored[i])] for i in mb.order])
             # normalised by the assistant tokens alone: the context term adds to, never dilutes, the SFT loss
             loss = -(logp[is_own].sum() + context_weight * logp[~is_own].sum()) / num_tokens
             self.backward(loss)
@@ -308,14 +384,16 @@ class Trainer:
     # ------------------------------------------------------------------ weights and records
     async def publish_weights(self) -> float:
         started = time.monotonic()
-        data = await asyncio.to_thread(weights_to_bytes, self.model, self.cfg.broadcast_dtype)
+        # LoRA: only the adapter travels, as (A, scaled B) pairs; every replica adds B @ A to its base weights
+        data = await asyncio.to_thread(lora_delta_bytes if self.lora else weights_to_bytes, self.model,
+                                       self.cfg.broadcast_dtype)
         store = await self.js.object_store(self.subjects.weights_bucket)
         name = self.subjects.weights_object(self.policy_version)
         # 1 MiB chunks: ~1.6x the put rate and faster reads than nats-py's 128 KiB default
         # (docs/benchmarks/scale_out.md); well under the server's max_payload.
         await store.put(name, data, meta=ObjectMeta(name=name, options=ObjectMetaOptions(max_chunk_size=1024 * 1024)))
         note = WeightsAnnouncement(version=self.policy_version, object_name=name, digest=digest(data), size=len(data),
-                                   dtype=self.cfg.broadcast_dtype)
+                                   dtype=self.cfg.broadcast_dtype, format="lora" if self.lora else "full")
         kv = await self.js.key_value(self.subjects.policy_kv)
         await kv.put(self.subjects.policy_version_key, encode(note))
         await self.nc.publish(self.subjects.weights_published, encode(note))
@@ -341,57 +419,34 @@ class Trainer:
             publish_metrics(self.nc, self.subjects, "trainer", self.replica_id, self.step, scalars))
 
 
-def token_logprobs(model: Any, ids: torch.Tensor, attn: torch.Tensor, trained: torch.Tensor,
-                   temps: torch.Tensor) -> torch.Tensor:
-    """Logprobs of the trained tokens only, flattened row-major: ``trained[b, t]`` marks token
-    ``ids[b, t + 1]``. The LM head runs on those positions alone; with a 49k vocabulary, full-sequence
-    logits would cost far more than the transformer itself."""
-    hidden = model.get_decoder()(input_ids=ids, attention_mask=attn).last_hidden_state[:, :-1]
-    logits = model.get_output_embeddings()(hidden[trained]).float()
-    temp = temps[:, None].expand_as(trained)[trained]
-    return torch.log_softmax(logits / temp[:, None], dim=-1).gather(-1, ids[:, 1:][trained].unsqueeze(-1)).squeeze(-1)
+def _positions(marks: list[int]) -> list[int]:
+    """Trained positions (token ``t`` scored from the hidden state of ``t - 1``, so never 0), in the
+    order ``services.trainer.packing.pack`` lays their logprobs out."""
+    return [t for t in range(1, len(marks)) if marks[t]]
 
 
-def _micro_batches(trajs: list[Trajectory], max_tokens: int) -> list[list[Trajectory]]:
-    """Consecutive chunks whose padded size (longest x count) stays under ``max_tokens``. Order is kept:
-    the token advantages are laid out in the order of ``trajs``."""
-    chunks: list[list[Trajectory]] = []
-    width = 0
-    for t in trajs:
-        if chunks and max(width, len(t.tokens)) * (len(chunks[-1]) + 1) <= max_tokens:
-            chunks[-1].append(t)
-            width = max(width, len(t.tokens))
-        else:
-            chunks.append([t])
-            width = len(t.tokens)
-    return chunks
+def _trained_positions(traj: Trajectory) -> list[int]:
+    return _positions(traj.loss_mask)
 
 
-def _context_mask(chunk: list[Trajectory], width: int) -> torch.Tensor:
+def _per_token(values: list[float], mb: PackedBatch) -> torch.Tensor:
+    """One value per trajectory, repeated over its trained tokens in the micro-batch's layout."""
+    return torch.cat([torch.full((n,), float(values[i])) for i, n in zip(mb.order, mb.trained_per_traj, strict=True)])
+
+
+def _or(a: list[int], b: list[int]) -> list[int]:
+    return [int(x or y) for x, y in zip(a, b, strict=True)]
+
+
+def _context_mask(traj: Trajectory) -> list[int]:
     """Tokens after the system message that the agent did not write: the user's task and every tool
     result. ChatML opens each message with the same token, so the system message ends where the
     first token occurs again; the system prompt itself (the same in every episode) is left out."""
-    out = torch.zeros((len(chunk), width), dtype=torch.bool)
-    for i, t in enumerate(chunk):
-        try:
-            start = t.tokens.index(t.tokens[0], 1)
-        except (ValueError, IndexError):
-            continue
-        out[i, start:len(t.tokens)] = torch.tensor(t.loss_mask[start:]) == 0
+    out = [0] * len(traj.tokens)
+    try:
+        start = traj.tokens.index(traj.tokens[0], 1)
+    except (ValueError, IndexError):
+        return out
+    for i in range(start, len(traj.tokens)):
+        out[i] = int(traj.loss_mask[i] == 0)
     return out
-
-
-def _pad(chunk: list[Trajectory]) -> tuple[torch.Tensor, ...]:
-    width = max(len(t.tokens) for t in chunk)
-    ids = torch.zeros((len(chunk), width), dtype=torch.long)
-    attn = torch.zeros_like(ids)
-    mask = torch.zeros_like(ids)
-    behaviour = torch.zeros((len(chunk), width), dtype=torch.float32)
-    for i, t in enumerate(chunk):
-        n = len(t.tokens)
-        ids[i, :n] = torch.tensor(t.tokens)
-        attn[i, :n] = 1
-        mask[i, :n] = torch.tensor(t.loss_mask)
-        behaviour[i, :n] = torch.tensor(t.logprobs)
-    temps = torch.tensor([t.temperature if t.temperature > 0 else 1.0 for t in chunk])
-    return ids, attn, mask, behaviour, temps

@@ -1,0 +1,102 @@
+"""A packed, segment-wise forward pass of a Llama-family causal LM, shared by the rollout engine and
+the trainer so that both compute the very same numbers.
+
+Tokens of many sequences go through the linear layers as one ``[N, hidden]`` matrix, with no padding;
+only attention and rotary positions look at sequence boundaries. The caller says how attention works
+through one function, ``attend(layer, q, k, v) -> out``:
+
+* the rollout engine attends each sequence's new tokens to its own KV cache (continuous batching,
+  KV reuse across turns and across the episodes of a group that share an opening);
+* the trainer attends the tokens of a segment to the keys/values of its ancestor segments computed in
+  the same pass (shared-prefix training: a group's opening runs once, with gradient, for all episodes).
+
+Supported: the HF ``LlamaForCausalLM`` family layout (Llama, SmolLM2, Qwen2, Mistral without sliding
+windows): RMSNorm, rotary positions from the model's own rotary module, grouped-query attention, gated
+MLP. Layers are called module by module, so PEFT's LoRA wrappers on the projections apply as they are.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
+
+Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+"""``attend(layer_index, q [N, heads, d], k [N, kv_heads, d], v [N, kv_heads, d]) -> [N, heads * d]``"""
+
+
+class PackedLM:
+    """A view of an HF causal LM (or a PEFT model around one) that runs packed token batches."""
+
+    def __init__(self, model: Any) -> None:
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT: LoRA layers inside
+        config = base.config
+        if config.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"model type {config.model_type!r} is not supported by the packed forward "
+                             f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+        if getattr(config, "use_sliding_window", False) and getattr(config, "sliding_window", None):
+            raise ValueError("sliding-window attention is not supported by the packed forward")
+        self.model = model
+        self.decoder = base.model
+        self.head = base.get_output_embeddings()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.num_layers = config.num_hidden_layers
+        self.scale = self.head_dim ** -0.5
+        self.dtype = next(base.parameters()).dtype
+
+    def hidden(self, ids: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
+        """Final-norm hidden states ``[N, hidden]`` of packed tokens ``ids [N]`` at ``positions [N]``."""
+        n = ids.shape[0]
+        x = self.decoder.embed_tokens(ids)
+        cos, sin = self.decoder.rotary_emb(x[None], positions[None])  # the model's own rotary variant
+        cos, sin = cos[0, :, None, :], sin[0, :, None, :]  # [N, 1, d]: broadcast over heads
+        for i, layer in enumerate(self.decoder.layers):
+            h = layer.input_layernorm(x)
+            attn = layer.self_attn
+            q = attn.q_proj(h).view(n, self.num_heads, self.head_dim)
+            k = attn.k_proj(h).view(n, self.num_kv_heads, self.head_dim)
+            v = attn.v_proj(h).view(n, self.num_kv_heads, self.head_dim)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            x = x + attn.o_proj(attend(i, q, k, v))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.decoder.norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.head(hidden).float()
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context: int) -> torch.Tensor:
+        """One segment: ``q [T, heads, d]`` attends causally to ``k, v [context + T, kv_heads, d]``, whose
+        first ``context`` rows come before the segment. Returns ``[T, heads * d]``."""
+        t = q.shape[0]
+        if t == 1:  # one new token sees everything: no mask
+            mask, causal = None, False
+        elif context == 0:
+            mask, causal = None, True
+        else:
+            total = k.shape[0]
+            mask = torch.arange(total)[None, :] <= (context + torch.arange(t))[:, None]
+            causal = False
+        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                             v.transpose(0, 1)[None], attn_mask=mask, is_causal=causal,
+                                             scale=self.scale, enable_gqa=self.num_kv_heads != self.num_heads)
+        return out[0].transpose(0, 1).reshape(t, self.num_heads * self.head_dim)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: torch.Tensor | float) -> torch.Tensor:
+    """Log-probability of ``targets`` under ``softmax(logits / temperature)``; the one formula the engine
+    (behaviour logprobs) and the trainer (current logprobs) both use."""
+    if isinstance(temperature, torch.Tensor):
+        temperature = temperature[:, None]
+    return torch.log_softmax(logits / temperature, dim=-1).gather(-1, targets[:, None]).squeeze(-1)
