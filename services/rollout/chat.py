@@ -26,22 +26,58 @@ TOOLS_PREAMBLE = (
 )
 
 
+COMPACT_PREAMBLE = (
+    "\n\n# Tools\nCall exactly one tool per turn, as <tool_call>{{\"name\": ..., \"arguments\": {{...}}}}</tool_call>\n"
+    "{tools}"
+)
+
+
 def _block(role: str, content: str) -> str:
     return f"<|im_start|>{role}\n{content}<|im_end|>\n"
 
 
-def render_opening(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> str:
-    """The prompt text up to and including the first ``<|im_start|>assistant\\n``."""
-    tools_text = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+def _type_of(schema: dict[str, Any]) -> str:
+    kind = schema.get("type", "any")
+    if "enum" in schema:
+        return " | ".join(json.dumps(v) for v in schema["enum"])
+    if kind == "array":
+        return f"list of {_type_of(schema.get('items', {}))}"
+    return str(kind)
+
+
+def compact_tool(tool: dict[str, Any]) -> str:
+    """One line per tool: ``- name(arg: type, opt?: type): description``; argument descriptions follow
+    in brackets where the schema has them. Same names and arguments as the JSON schema, ~4x fewer tokens."""
+    fn = tool.get("function", tool)
+    params = fn.get("parameters") or {}
+    required = set(params.get("required") or [])
+    args, notes = [], []
+    for name, schema in (params.get("properties") or {}).items():
+        args.append(f"{name}{'' if name in required else '?'}: {_type_of(schema)}")
+        if schema.get("description"):
+            notes.append(f"{name}: {schema['description']}")
+    line = f"- {fn['name']}({', '.join(args)}): {fn.get('description', '').strip()}"
+    return line + (f" [{'; '.join(notes)}]" if notes else "")
+
+
+def render_opening(messages: list[dict[str, Any]], tools: list[dict[str, Any]], tool_format: str = "json") -> str:
+    """The prompt text up to and including the first ``<|im_start|>assistant\\n``. ``tool_format``:
+    ``json`` (the tools' JSON schemas, as Qwen2.5 renders them) or ``compact`` (one line per tool)."""
+    if tool_format == "compact":
+        preamble = COMPACT_PREAMBLE.format(tools="\n".join(compact_tool(t) for t in tools))
+    elif tool_format == "json":
+        preamble = TOOLS_PREAMBLE.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in tools))
+    else:
+        raise ValueError(f"unknown tool format {tool_format!r} (json | compact)")
     out, has_system = [], False
     for m in messages:
         content = str(m.get("content") or "")
         if m["role"] == "system":
-            content += TOOLS_PREAMBLE.format(tools=tools_text)
+            content += preamble
             has_system = True
         out.append(_block(m["role"], content))
     if not has_system:
-        out.insert(0, _block("system", "You are a helpful agent." + TOOLS_PREAMBLE.format(tools=tools_text)))
+        out.insert(0, _block("system", "You are a helpful agent." + preamble))
     return "".join(out) + "<|im_start|>assistant\n"
 
 

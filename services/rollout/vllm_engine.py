@@ -18,26 +18,20 @@ machine; a GPU machine installs ``vllm`` the same way.
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import itertools
 import os
 import queue
-import threading
 from pathlib import Path
 from typing import Any
 
 import structlog
-import torch
 
-from services.rollout.engine import Generation, _Request, _set_exception, _set_result, _WeightUpdate
+from services.rollout.engine import STOP, Generation, QueuedEngine, Request, WeightUpdate
 
 log = structlog.get_logger()
 
-_STOP = object()
-
-
-class VLLMEngine:
+class VLLMEngine(QueuedEngine):
     """vLLM's ``LLMEngine`` stepped by one worker thread; weight updates in place between generations."""
 
     def __init__(self, model_path: str | Path, engine_id: str, stop_token_ids: list[int], *, dtype: str = "auto",
@@ -57,35 +51,14 @@ class VLLMEngine:
         )
         self.engine = self.llm.llm_engine
         self._checkpoint_names = _checkpoint_names(model_path)
-        self.engine_id = engine_id
-        self.policy_version = 0
         self.stop_token_ids = list(stop_token_ids)
         self._ids = itertools.count()
-        self._queue: queue.Queue[Any] = queue.Queue()
-        self._thread = threading.Thread(target=self._run, name=f"vllm-{engine_id}", daemon=True)
-        self._thread.start()
-
-    # ------------------------------------------------------------------ async API (the Engine protocol)
-    async def generate(self, prompt: list[int], max_new_tokens: int, temperature: float) -> Generation:
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[Generation] = loop.create_future()
-        self._queue.put(_Request(list(prompt), max_new_tokens, temperature, future, loop))
-        return await future
-
-    async def update_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[None] = loop.create_future()
-        self._queue.put(_WeightUpdate(state, version, future, loop))
-        await future
-
-    def close(self) -> None:
-        self._queue.put(_STOP)
-        self._thread.join(timeout=60)
+        self._start(engine_id)
 
     # ------------------------------------------------------------------ worker thread
     def _run(self) -> None:
         backlog: collections.deque[Any] = collections.deque()
-        running: dict[str, tuple[_Request, int]] = {}
+        running: dict[str, tuple[Request, int]] = {}
         while True:
             if not running and not backlog:
                 backlog.append(self._queue.get())  # idle: sleep until something arrives
@@ -95,23 +68,23 @@ class VLLMEngine:
                 except queue.Empty:
                     break
             # Admit requests in arrival order up to the first weight update (or stop).
-            while backlog and isinstance(backlog[0], _Request):
+            while backlog and isinstance(backlog[0], Request):
                 self._admit(backlog.popleft(), running)
             if running:
                 self._step(running)
                 continue
             head = backlog.popleft() if backlog else None
-            if head is _STOP:
+            if head is STOP:
                 return
-            if isinstance(head, _WeightUpdate):  # nothing runs now: the swap falls between generations
+            if isinstance(head, WeightUpdate):  # nothing runs now: the swap falls between generations
                 try:
                     self._apply_weights(head)
                 except Exception as exc:
-                    head.loop.call_soon_threadsafe(_set_exception, head.future, exc)
+                    head.fail(exc)
                 else:
-                    head.loop.call_soon_threadsafe(_set_result, head.future, None)
+                    head.done()
 
-    def _admit(self, req: _Request, running: dict[str, tuple[_Request, int]]) -> None:
+    def _admit(self, req: Request, running: dict[str, tuple[Request, int]]) -> None:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -125,18 +98,18 @@ class VLLMEngine:
         try:
             self.engine.add_request(request_id, TokensPrompt(prompt_token_ids=req.prompt), params)
         except Exception as exc:  # e.g. a prompt longer than max_model_len: this request fails, not the engine
-            req.loop.call_soon_threadsafe(_set_exception, req.future, exc)
+            req.fail(exc)
             return
         running[request_id] = (req, self.policy_version)
 
-    def _step(self, running: dict[str, tuple[_Request, int]]) -> None:
+    def _step(self, running: dict[str, tuple[Request, int]]) -> None:
         try:
             outputs = self.engine.step()
         except Exception as exc:  # fail what was running, keep the engine
             log.exception("vllm_step_failed")
             self.engine.abort_request(list(running))
             for req, _ in running.values():
-                req.loop.call_soon_threadsafe(_set_exception, req.future, exc)
+                req.fail(exc)
             running.clear()
             return
         for out in outputs:
@@ -148,9 +121,9 @@ class VLLMEngine:
             logprobs = [float(step[tok].logprob) for tok, step in zip(tokens, comp.logprobs or [], strict=True)]
             finish = "stop" if tokens and tokens[-1] in self.stop_token_ids else "length"
             result = Generation(tokens, logprobs, finish, self.engine_id, version)
-            req.loop.call_soon_threadsafe(_set_result, req.future, result)
+            req.done(result)
 
-    def _apply_weights(self, update: _WeightUpdate) -> None:
+    def _apply_weights(self, update: WeightUpdate) -> None:
         # A checkpoint tensor the broadcast lacks would keep its old value without a word (an untied
         # lm_head, say): refuse before touching the model.
         missing = sorted(self._checkpoint_names - update.state.keys())

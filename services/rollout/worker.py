@@ -171,7 +171,7 @@ class RolloutWorker:
         opening = await env.start(session_id, job.task_id, job.split, seed=zlib.crc32(job.episode_id.encode()),
                                   timeout_s=self.cfg.env_start_timeout_s)
         buf = EpisodeBuffer()
-        buf.add(self.tokenizer.encode(render_opening(opening.messages, opening.tools), add_special_tokens=False),
+        buf.add(self.tokenizer.encode(render_opening(opening.messages, opening.tools, self.cfg.tool_format), add_special_tokens=False),
                 None, trainable=False)
         prompt_len = len(buf.tokens)
         reward, status, metrics = 0.0, EpisodeStatus.RUNNING, {}
