@@ -2,14 +2,22 @@
 
 from __future__ import annotations
 
+import importlib
+import typing
+
 import msgpack
+import msgspec
 import pytest
 
 from shared.config import ConfigError, load_config
 from shared.messages import (
     MAX_MESSAGE_BYTES,
+    MESSAGES,
     BadMessage,
+    DeadLetter,
+    EnvStep,
     EpisodeJob,
+    GenerateReply,
     Trajectory,
     TurnInfo,
     decode,
@@ -59,7 +67,7 @@ def test_wrong_kind_version_and_types_are_refused_with_reasons() -> None:
 def test_nested_and_list_validation() -> None:
     body = msgpack.unpackb(encode(make_traj()))
     body["tokens"] = [1, 2, "x", 4]
-    with pytest.raises(BadMessage, match="tokens: expected a list of integers"):
+    with pytest.raises(BadMessage, match=r"trajectory.tokens\[2\]: expected an integer, got str"):
         decode(msgpack.packb(body), Trajectory)
     body = msgpack.unpackb(encode(make_traj()))
     body["turns"][0]["policy_version"] = 1.5
@@ -69,6 +77,101 @@ def test_nested_and_list_validation() -> None:
     body["loss_mask"] = [0, 1]
     with pytest.raises(BadMessage, match="lengths differ"):
         decode(msgpack.packb(body), Trajectory)
+
+
+def test_decode_errors_name_the_field_path() -> None:
+    body = msgpack.unpackb(encode(make_traj()))
+    body["metrics"] = {"turns": "one"}
+    with pytest.raises(BadMessage, match=r"^trajectory\.metrics\[\.\.\.\]: expected a number, got str"):
+        decode(msgpack.packb(body), Trajectory)
+    body["metrics"] = {1: 1.0}
+    with pytest.raises(BadMessage, match=r"^trajectory\.metrics key: expected str, got int"):
+        decode(msgpack.packb(body), Trajectory)
+    body = msgpack.unpackb(encode(make_traj()))
+    del body["turns"][0]["engine_id"]
+    with pytest.raises(BadMessage, match=r"^trajectory\.turns\[0\]: missing field 'engine_id'"):
+        decode(msgpack.packb(body), Trajectory)
+    del body["kind"]
+    with pytest.raises(BadMessage, match="expected kind 'trajectory', got None"):  # never guessed
+        decode(msgpack.packb(body), Trajectory)
+
+
+@pytest.mark.parametrize(("field", "value", "reason"), [
+    ("tokens", [1, -2, 3, 4], r"trajectory\.tokens\[1\]: expected an integer >= 0"),
+    ("tokens", [1, 2.0, 3, 4], r"trajectory\.tokens\[1\]: expected an integer, got float"),
+    ("loss_mask", [0, 0, 2, 1], r"trajectory\.loss_mask\[2\]: expected an integer <= 1"),
+    ("loss_mask", [0, -1, 1, 1], r"trajectory\.loss_mask\[1\]: expected an integer >= 0"),
+    ("logprobs", [0.0, 0.0, float("nan"), -1.0], r"trajectory\.logprobs\[2\]: expected a finite number"),
+    ("logprobs", [0.0, 0.0, float("-inf"), -1.0], r"trajectory\.logprobs\[2\]: expected a finite number"),
+    ("logprobs", [0.0, 0.0, 0.25, -1.0], r"trajectory\.logprobs\[2\]: expected a number <= 0\.0"),
+    ("logprobs", [0.0, 0.0, float("inf"), -1.0], r"trajectory\.logprobs\[2\]: expected a number <= 0\.0"),
+    ("logprobs", [0.0, -0.5, -1.25], r"tokens/logprobs/loss_mask lengths differ \(4/3/4\)"),
+    ("turns", [{"start": 2, "end": 5, "engine_id": "e", "policy_version": 0}], r"turns\[0\] spans \[2, 5\)"),
+    ("turns", [{"start": 3, "end": 2, "engine_id": "e", "policy_version": 0}], r"turns\[0\] spans \[3, 2\)"),
+    ("turns", [{"start": 0, "end": 1, "engine_id": "e", "policy_version": 0},
+               {"start": -1, "end": 2, "engine_id": "e", "policy_version": 0}], r"turns\[1\] spans \[-1, 2\)"),
+])
+def test_each_constraint_refuses_a_bad_value(field: str, value: object, reason: str) -> None:
+    body = msgpack.unpackb(encode(make_traj()))
+    body[field] = value
+    with pytest.raises(BadMessage, match=reason) as err:
+        decode(msgpack.packb(body), Trajectory)
+    assert err.value.code == 400
+
+
+def test_constraints_admit_the_edges() -> None:
+    traj = make_traj(tokens=[0, 2, 3, 4], logprobs=[0.0, -0.0, -1e300, -1], loss_mask=[0, 0, 1, 1],
+                     turns=[TurnInfo(start=4, end=4, engine_id="oracle", policy_version=-1)])
+    back = decode(encode(traj), Trajectory)
+    assert back == traj and back.logprobs == [0.0, 0.0, -1e300, -1.0] and back.min_policy_version == -1
+    body = msgpack.unpackb(encode(GenerateReply(tokens=[5], logprobs=[0.0], finish_reason="stop", engine_id="e",
+                                                policy_version=0)))
+    body["logprobs"].append(-1.0)
+    with pytest.raises(BadMessage, match="generate_reply: tokens/logprobs lengths differ"):
+        decode(msgpack.packb(body), GenerateReply)
+
+
+def test_versions_unknown_fields_and_every_message_type() -> None:
+    traj = make_traj()
+    body = msgpack.unpackb(encode(traj))
+    body["added_by_a_newer_writer"] = {"x": [1, 2]}
+    body["turns"][0]["also_new"] = 1
+    assert decode(msgpack.packb(body), Trajectory) == traj  # forward compatible
+    for cls in MESSAGES:
+        field_v = next(f for f in msgspec.structs.fields(cls) if f.name == "v")
+        assert field_v.default == cls.VERSION, f"{cls.__name__}: v's default must be its VERSION"
+        assert list(msgpack.unpackb(encode(decode(msgpack.packb({"kind": cls.KIND, "v": 1, **REQUIRED[cls]}),
+                                                  cls))))[:2] == ["kind", "v"]
+
+
+SMALLEST = {str: "x", int: 0, float: 0.0, bool: False, bytes: b"", list: [], dict: {}}
+REQUIRED = {cls: {f.name: SMALLEST[typing.get_origin(f.type) or f.type] for f in msgspec.structs.fields(cls)
+                  if f.required} for cls in MESSAGES}
+"""The smallest valid body of each message type."""
+
+
+def test_wire_compatible_with_the_legacy_codec() -> None:
+    """Bytes from the codec before issue 21 decode with this one and the other way round; both write
+    the same bytes (bench/bench_codec.py holds the legacy codec verbatim)."""
+    legacy = importlib.import_module("bench.bench_codec")
+    turns = [dict(start=2, end=4, engine_id="hf-a", policy_version=3)]
+    fields = dict(episode_id="e1", group_id="g1", task="db", task_id="t1", split="train", group_size=2,
+                  tokens=[1, 2, 3, 4], logprobs=[0.0, 0.0, -0.5, -1.25], loss_mask=[0, 0, 1, 1], prompt_len=2,
+                  reward=1.0, status="completed", replica_id="r1", metrics={"turns": 1.0}, created_at=12.5)
+    pairs = [
+        (Trajectory(**fields, turns=[TurnInfo(**t) for t in turns]),
+         legacy.LegacyTrajectory(**fields, turns=[legacy.LegacyTurnInfo(**t) for t in turns])),
+        (EpisodeJob(episode_id="e", group_id="g", task="db", task_id="t", created_at=1.0),
+         legacy.LegacyEpisodeJob(episode_id="e", group_id="g", task="db", task_id="t", created_at=1.0)),
+        (DeadLetter(origin_subject="s", reason="r", payload=b"\x00\xff", service="x", ts=2.0),
+         legacy.LegacyDeadLetter(origin_subject="s", reason="r", payload=b"\x00\xff", service="x", ts=2.0)),
+        (EnvStep(finish=False, reward=1, status="running", messages=[{"role": "tool", "content": "ok"}]),
+         legacy.LegacyEnvStep(finish=False, reward=1, status="running", messages=[{"role": "tool", "content": "ok"}])),
+    ]
+    for new, old in pairs:
+        assert encode(new) == legacy.legacy_encode(old)
+        assert decode(legacy.legacy_encode(old), type(new)) == new
+        assert legacy.legacy_decode(encode(new), type(old)) == old
 
 
 def test_oversize_is_refused_both_ways() -> None:
