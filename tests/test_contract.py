@@ -194,6 +194,15 @@ def test_subjects_are_namespaced_and_tokens_checked() -> None:
         Subjects("bad.prefix")
 
 
+def test_object_store_internals_match_the_client() -> None:
+    """read_object bypasses nats-py's ObjectStore; its names must be the ones the client writes."""
+    from nats.js import object_store
+
+    bucket = Subjects("run1").weights_bucket
+    assert Subjects.object_stream(bucket) == object_store.OBJ_STREAM_TEMPLATE.format(bucket=bucket)
+    assert Subjects.object_chunks(bucket, "N1") == object_store.OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=bucket, obj="N1")
+
+
 def test_config_layers_and_errors(tmp_path) -> None:
     path = tmp_path / "c.toml"
     path.write_text('[trainer]\nlr = 0.001\nsteps = 5\n[controller]\ntasks = { db = 0.5, os = 0.5 }\n')
