@@ -269,7 +269,8 @@ class GenerateReply(Message, tag="generate_reply", kw_only=True):
     def __post_init__(self) -> None:
         super().__post_init__()
         if len(self.tokens) != len(self.logprobs):
-            raise BadMessage(f"generate_reply: tokens/logprobs lengths differ ({len(self.tokens)}/{len(self.logprobs)})")
+            raise BadMessage(f"generate_reply: tokens/logprobs lengths differ "
+                             f"({len(self.tokens)}/{len(self.logprobs)})")
 
 
 # --------------------------------------------------------------------------------------------- #
@@ -366,6 +367,11 @@ def decode(data: bytes, cls: type[M]) -> M:
     try:
         msg = _decoder(cls).decode(data)
     except msgspec.ValidationError as exc:
+        # msgspec stops at the first wrong value; bytes that are not msgpack at all say so first
+        try:
+            msgspec.msgpack.decode(data)
+        except msgspec.DecodeError as not_msgpack:
+            raise BadMessage(f"not msgpack: {not_msgpack}") from None
         raise BadMessage(_reason(str(exc), kind)) from None
     except msgspec.DecodeError as exc:
         raise BadMessage(f"not msgpack: {exc}") from None

@@ -60,6 +60,8 @@ def test_wrong_kind_version_and_types_are_refused_with_reasons() -> None:
         decode(msgpack.packb(body), EpisodeJob)
     with pytest.raises(BadMessage, match="not msgpack"):
         decode(b"\xc1\xc1", EpisodeJob)
+    with pytest.raises(BadMessage, match="not msgpack"):  # a list with trailing bytes: malformed first
+        decode(b"\x93garbage", EpisodeJob)
     with pytest.raises(BadMessage, match="expected a msgpack map"):
         decode(msgpack.packb([1, 2]), EpisodeJob)
 
