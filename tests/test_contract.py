@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import importlib
+import re
+import subprocess
+import sys
 import typing
+from pathlib import Path
 
 import msgpack
 import msgspec
 import pytest
 
-from shared.config import ConfigError, load_config
+from shared.config import RENAMED, ConfigError, load_config, save_config
 from shared.messages import (
     MAX_MESSAGE_BYTES,
     MESSAGES,
@@ -24,6 +28,8 @@ from shared.messages import (
     encode,
 )
 from shared.subjects import Subjects
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 def make_traj(**kw) -> Trajectory:
@@ -220,3 +226,77 @@ def test_config_layers_and_errors(tmp_path) -> None:
     path.write_text('[trainer]\nsteps = "many"\n')
     with pytest.raises(ConfigError, match="trainer.steps: expected int"):
         load_config(path, environ={})
+
+
+def test_config_task_sections_in_every_form(tmp_path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text('[env]\nmax_sessions = 8\n[env.db]\nlevels = [1, 2]\n[env.os]\nbackend = "docker"\n'
+                    '[env.webshop]\nmax_observation_chars = 3000\n')
+    cfg = load_config(path, ["--env.kg.seed=5", "env.alfworld.snap-actions=false"],
+                      environ={"JETRL__ENV__DB__MAX_ROWS": "10", "JETRL__ENV__OS__CPUS": "2"})
+    assert cfg.env.max_sessions == 8 and cfg.env.db.levels == [1, 2] and cfg.env.db.max_rows == 10
+    assert cfg.env.os.backend == "docker" and cfg.env.os.cpus == 2.0
+    assert cfg.env.kg.seed == 5 and cfg.env.alfworld.snap_actions is False
+    # flags over env vars over the file, within a section as anywhere
+    cfg = load_config(path, ["env.db.levels=3"], environ={"JETRL__ENV__DB__LEVELS": "[2]"})
+    assert cfg.env.db.levels == [3]
+    # a task section overrides a generic key only where EnvConfig.TASK_OVERRIDES allows it
+    assert cfg.env.task_value("webshop", "max_observation_chars") == 3000
+    assert cfg.env.task_value("alfworld", "max_observation_chars") == 4000
+    assert cfg.env.task_value("db", "max_observation_chars") == cfg.env.max_observation_chars == 800
+    assert cfg.env.task_value("webshop", "max_sessions") == 8
+    with pytest.raises(ConfigError, match=r"unknown config key env\.db\.level \(known: \['agentbench_file'"):
+        load_config(None, ["env.db.level=1"], environ={})
+    with pytest.raises(ConfigError, match=r"config env\.db is a section: set its keys"):
+        load_config(None, ["env.db=1"], environ={})
+    with pytest.raises(ConfigError, match=r"env\.db\.levels\[\]: expected int, got .one."):
+        load_config(None, environ={"JETRL__ENV__DB__LEVELS": '["one"]'})
+
+
+@pytest.mark.parametrize(("how", "new"), [
+    ("file", r"\[env\.db\] levels = \.\.\."),
+    ("env var", r"JETRL__ENV__DB__LEVELS=\.\.\."),
+    ("flag", r"--env\.db\.levels=\.\.\."),
+])
+def test_config_old_flat_keys_name_the_new_key(tmp_path, how: str, new: str) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text("[env]\ndb_levels = [1, 2]\n")
+    args: dict = {"file": dict(path=path, environ={}), "env var": dict(environ={"JETRL__ENV__DB_LEVELS": "1,2"}),
+                  "flag": dict(overrides=["--env.db_levels=1,2"], environ={})}[how]
+    with pytest.raises(ConfigError, match=rf"config key env\.db_levels is now env\.db\.levels: write {new}"):
+        load_config(**args)
+    for old, moved in RENAMED.items():  # every one of the 27 moved keys
+        with pytest.raises(ConfigError, match=rf"is now {re.escape(moved)}"):
+            load_config(None, [f"{old}=1"], environ={})
+
+
+def test_config_round_trips_through_save_config(tmp_path) -> None:
+    overrides = ["env.db.levels=2,3", 'env.os.agentbench_train=["a.json"]', "env.webshop.num_products=99",
+                 "env.max_sessions=3", 'trainer.max_staleness={"db": 2}', "controller.tasks=db=0.5,os=0.5"]
+    cfg = load_config(None, overrides, environ={})
+    path = tmp_path / "saved.toml"
+    save_config(cfg, path)
+    assert "[env.db]\n" in path.read_text() and "db_levels" not in path.read_text()
+    assert load_config(path, environ={}) == cfg
+
+
+def test_task_overrides_are_declared_not_accidental(monkeypatch) -> None:
+    from shared import config
+
+    monkeypatch.setattr(config.EnvConfig, "TASK_OVERRIDES", frozenset())
+    with pytest.raises(TypeError, match=r"env\.alfworld\.max_observation_chars shadows env\.max_observation_chars"):
+        config._check_task_sections()
+
+
+def test_jetrl_config_for_one_task() -> None:
+    def jetrl_config(*args: str) -> str:
+        return subprocess.run([sys.executable, "-m", "jetrl.cli", "config", *args], cwd=REPO, capture_output=True,
+                              text=True, check=True).stdout
+
+    text = jetrl_config("--task", "webshop")
+    assert "[env]\n" in text and "[env.webshop]\n" in text and "num_products (int) = 52000" in text
+    assert "[env.db]" not in text and "[trainer]" not in text and "levels" not in text
+    assert "[webshop uses env.webshop.max_observation_chars instead]" in text
+    everything = jetrl_config()
+    assert all(f"[env.{task}]\n" in everything for task in ("db", "os", "kg", "alfworld", "webshop"))
+    assert "[trainer]\n" in everything
