@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from services.envs.base import ToolCall  # noqa: E402
 from services.envs.os_task import OSEnv, OSEpisode  # noqa: E402
-from shared.config import EnvConfig  # noqa: E402
+from shared.config import EnvConfig, OSTaskConfig  # noqa: E402
 from shared.log import setup_logging  # noqa: E402
 
 AGENTBENCH = Path(__file__).resolve().parent.parent.parent / "shared" / "agentbench" / "os_interaction"
@@ -59,8 +59,8 @@ def bench_agentbench(args: argparse.Namespace) -> None:
     if not AGENTBENCH.is_dir():
         raise SystemExit(f"{AGENTBENCH} is not present: the AgentBench sweep needs ../shared/agentbench")
     train, dev = AGENTBENCH / "train_0317" / "training.json", AGENTBENCH / "data" / "dev.json"
-    env = OSEnv(EnvConfig(task="os", num_train_tasks=0, num_test_tasks=0, os_agentbench_train=[str(train)],
-                          os_agentbench_test=[str(dev)]))
+    env = OSEnv(EnvConfig(task="os", num_train_tasks=0, num_test_tasks=0,
+                          os=OSTaskConfig(agentbench_train=[str(train)], agentbench_test=[str(dev)])))
     env.rootfs("default")
 
     def run(item: tuple[str, str]) -> tuple[str, float, float, float]:
@@ -146,8 +146,8 @@ def bench_latency(args: argparse.Namespace) -> None:
     """Sequential sandbox and command latency; with several backends, iterations alternate between
     them so that they share the machine's load (a side-by-side ratio)."""
     backends = args.backends.split(",")
-    envs = {b: OSEnv(EnvConfig(task="os", num_train_tasks=6, num_test_tasks=6, os_backend=b,
-                               os_docker_prefix=args.docker_prefix)) for b in backends}
+    envs = {b: OSEnv(EnvConfig(task="os", num_train_tasks=6, num_test_tasks=6,
+                               os=OSTaskConfig(backend=b, docker_prefix=args.docker_prefix))) for b in backends}
     if "bwrap" in envs:
         envs["bwrap"].rootfs("default")
     scripts = ["echo", "ls -la /etc | wc -l", "python3 -c 'print(1)'"]

@@ -2,7 +2,7 @@
 policies on the frozen test split (oracle, WebShop's rule baseline, a random clicker), reset/step latency
 and episodes/s per replica, in process and served over NATS.
 
-    .venv/bin/python bench/bench_env_webshop.py [--env.data_dir=D] [--env.webshop_num_products=N]
+    .venv/bin/python bench/bench_env_webshop.py [--env.data_dir=D] [--env.webshop.num_products=N]
     .venv/bin/python bench/bench_env_webshop.py --show=test-medium-00004   # one oracle episode, as text
 
 Prints one JSON object; docs/benchmarks/webshop.md holds a run's figures.
@@ -55,7 +55,7 @@ def cold_build(num_products: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
         out = subprocess.run([PY, "-m", "services.envs.webshop", f"--env.data_dir={tmp}",
-                              f"--env.webshop_num_products={num_products}"], capture_output=True, text=True, check=True)
+                              f"--env.webshop.num_products={num_products}"], capture_output=True, text=True, check=True)
         wall = time.perf_counter() - t0
         info = json.loads(out.stdout.strip().splitlines()[-1])
     peak_mb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
@@ -255,7 +255,7 @@ def main() -> None:
         show(make_env(cfg.env), shows[0])
         return
     results: dict = {"load_average_at_start": [round(x, 1) for x in os.getloadavg()], "cpus": os.cpu_count(),
-                     "cold_build": cold_build(cfg.env.webshop_num_products)}
+                     "cold_build": cold_build(cfg.env.webshop.num_products)}
     t0 = time.perf_counter()
     env = make_env(cfg.env)  # warm: the cached file
     results["warm_start_s"] = round(time.perf_counter() - t0, 3)

@@ -170,15 +170,15 @@ class Bench:
         plan: list[tuple[str, list[str], list[str], int]] = []
         for v in self.args.variants:
             if v == "full":
-                plan.append(("full", tasks, ["--trainer.task_norm=true", *cross], self.args.stale_engines))
+                plan.append(("full", tasks, ["--trainer.task_norm=scale", *cross], self.args.stale_engines))
             elif v == "no_task_norm":
-                plan.append(("no_task_norm", tasks, ["--trainer.task_norm=false", *cross], self.args.stale_engines))
+                plan.append(("no_task_norm", tasks, ["--trainer.task_norm=off", *cross], self.args.stale_engines))
             elif v == "no_cross_policy":
-                plan.append(("no_cross_policy", tasks, ["--trainer.task_norm=true",
+                plan.append(("no_cross_policy", tasks, ["--trainer.task_norm=scale",
                                                         "--rollout.cross_policy_prob=0"], 0))
             elif v == "experts":
                 for t in tasks:
-                    plan.append((f"expert-{t}", [t], ["--trainer.task_norm=true", *cross], self.args.stale_engines))
+                    plan.append((f"expert-{t}", [t], ["--trainer.task_norm=scale", *cross], self.args.stale_engines))
         for name, run_tasks, extra, stale in plan:
             final = self.rl(name, warm, run_tasks, extra, stale)
             if final is not None:

@@ -19,7 +19,7 @@ import torch
 from services.envs.base import ToolCall, ToolError
 from services.envs.db import make_env
 from services.rollout.chat import parse_assistant, render_observation, render_opening
-from shared.config import EnvConfig
+from shared.config import DBTaskConfig, EnvConfig
 from shared.model import load_model, load_tokenizer, quiet_transformers
 
 
@@ -31,14 +31,14 @@ def main() -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--num-train-tasks", type=int, default=768, help="env.num_train_tasks of the run")
     p.add_argument("--num-test-tasks", type=int, default=96, help="env.num_test_tasks of the run")
-    p.add_argument("--levels", default="1,2", help="env.db_levels of the run (configs/learning.toml: 1,2)")
+    p.add_argument("--levels", default="1,2", help="env.db.levels of the run (configs/learning.toml: 1,2)")
     p.add_argument("--max-turns", type=int, default=4)
     args = p.parse_args()
     quiet_transformers()
     torch.set_num_threads(1)
     tok, model = load_tokenizer(args.model), load_model(args.model).eval()
     env = make_env(EnvConfig(num_train_tasks=args.num_train_tasks, num_test_tasks=args.num_test_tasks,
-                             db_levels=[int(x) for x in args.levels.split(",")]))
+                             db=DBTaskConfig(levels=[int(x) for x in args.levels.split(",")])))
     stop = [tok.convert_tokens_to_ids("<|im_end|>")]
     sampling = dict(do_sample=True, temperature=args.temperature, top_k=0) if args.temperature > 0 else \
         dict(do_sample=False)

@@ -5,7 +5,8 @@
     jetrl eval [--config FILE] [...]    # test split, greedy, per-task report -> <run>/eval.json
     jetrl watch [--run-dir DIR | --url NATS_URL --prefix P] [--task T] [--events]
     jetrl status [--run-dir DIR]
-    jetrl config          # every config key with its default and help
+    jetrl config [--task T]   # every config key with its default and help; with a task, only
+                              # what its env service reads: [env] and [env.<task>]
 
 ``up`` starts an embedded nats-server (unless ``nats.url`` is set) and every service as its own
 process (``python -m services.<role>``), prints one progress line per training step, and stops
@@ -29,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from shared.bus import connect
-from shared.config import JetRLConfig, describe, load_config, save_config
+from shared.config import TASKS, JetRLConfig, describe, load_config, save_config
 from shared.log import setup_logging
 from shared.messages import ActionEvent, BadMessage, MetricsReport, ObservationEvent, Trajectory, decode
 from shared.natsd import EmbeddedNats
@@ -292,7 +293,9 @@ def main(argv: list[str] | None = None) -> int:
     watch.add_argument("--seconds", type=float, default=0, help="stop after this long (0 = until Ctrl-C)")
     status = sub.add_parser("status", help="the controller's /status of a run")
     status.add_argument("--run-dir", default="runs/latest")
-    sub.add_parser("config", help="every config key with its default and help")
+    config = sub.add_parser("config", help="every config key with its default and help")
+    config.add_argument("--task", choices=TASKS, default=None,
+                        help="only what this task's env service reads: [env] and [env.<task>]")
     args, rest = parser.parse_known_args(argv)
     setup_logging("cli", level="warning")  # the CLI prints its own lines; services log to their files
     if args.command in MODE_DEFAULTS:
@@ -303,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_watch(args)
     if args.command == "status":
         return cmd_status(args)
-    print(describe())
+    print(describe(args.task))
     return 0
 
 

@@ -203,7 +203,7 @@ async def read_object(js: JetStreamContext, bucket: str, name: str, window_bytes
     if not info.size:
         return b""
     sub = await js.pull_subscribe(
-        f"$O.{bucket}.C.{info.nuid}", stream=f"OBJ_{bucket}",
+        Subjects.object_chunks(bucket, info.nuid), stream=Subjects.object_stream(bucket),
         config=ConsumerConfig(ack_policy=AckPolicy.NONE, deliver_policy=DeliverPolicy.ALL, inactive_threshold=30.0),
         pending_bytes_limit=1024**3, pending_msgs_limit=1_000_000,
     )

@@ -1,8 +1,14 @@
 """One typed config for every role: a TOML file, then ``JETRL__SECTION__KEY`` env vars, then
 ``--section.key=value`` command-line overrides, each layer over the last.
 
-Every field has a type, a default and a one-line help (``jetrl config --help`` prints them all).
+Every field has a type, a default and a one-line help (``jetrl config`` prints them all).
 Unknown keys and values of the wrong type are refused with a message naming the key.
+
+The env section nests one level: generic keys in ``[env]``, each task's own in ``[env.<task>]``
+(``[env.db] levels``, ``JETRL__ENV__DB__LEVELS``, ``--env.db.levels``), so a user configuring one
+task reads only its keys (``jetrl config --task db``). A task section overrides a generic key only
+where ``EnvConfig.TASK_OVERRIDES`` allows it. The flat keys of before (``env.db_levels``) are refused
+with the new name.
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ import tomllib
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 
 class ConfigError(ValueError):
@@ -59,54 +65,123 @@ class ModelConfig:
     cache_dir: str = opt("", "where built/converted models are cached; empty = ~/.cache/jetrl/models")
 
 
+# ---- env: generic keys in [env], each task's own keys in [env.<task>] ----
+@dataclass
+class DBTaskConfig:
+    """[env.db]: SQL over SQLite (default) or a MariaDB/MySQL server."""
+
+    server: str = opt("", "MariaDB/MySQL admin URL (mysql://user:pass@host:port), one database per episode; "
+                          "empty = embedded SQLite")
+    query_timeout_s: float = opt(5.0, "time limit of one SQL statement (keep below env.action_timeout_s)")
+    max_rows: int = opt(1000, "rows read from one result set before it is cut")
+    agentbench_file: str = opt("", "AgentBench dbbench jsonl served as split 'dev'; empty = none")
+    levels: list[int] = opt([1, 2, 3], "difficulty levels of the generated splits (1 one table, 2 one table with two "
+                                       "conditions, 3 several tables); task i has level 1 + i % 3 and the others of "
+                                       "the num_*_tasks are left out")
+
+
+@dataclass
+class OSTaskConfig:
+    """[env.os]: bash in a sandbox per episode."""
+
+    backend: str = opt("bwrap", "sandbox per episode: bwrap (bubblewrap + overlayfs, no Docker) | docker")
+    suite: str = opt("bookworm", "Debian suite of the bwrap rootfs (built once by mmdebstrap, cached)")
+    mirror: str = opt("http://deb.debian.org/debian", "Debian mirror for the rootfs build")
+    docker_prefix: str = opt("jetrl-os", "docker backend images are <prefix>/default and <prefix>/packages")
+    command_timeout_s: float = opt(8.0, "wall-clock limit of one bash_action (kept below env.action_timeout_s)")
+    memory_mb: int = opt(1024, "memory cap of one episode's sandbox (AgentBench: 1 GiB)")
+    pids: int = opt(256, "process cap of one episode's sandbox (a fork bomb stops here)")
+    disk_mb: int = opt(512, "size of one episode's writable layer (tmpfs under the overlay)")
+    cpus: float = opt(1.0, "CPU share of one episode's sandbox")
+    agentbench_train: list[str] = opt([], "AgentBench OS task files (.json/.jsonl) added to the train split")
+    agentbench_test: list[str] = opt([], "AgentBench OS task files (.json/.jsonl) added to the test split")
+
+
+@dataclass
+class KGTaskConfig:
+    """[env.kg]: SPARQL tools over a generated knowledge graph."""
+
+    result_cap: int = opt(1000, "most entities one tool call may produce; a bigger step is refused")
+    query_timeout_s: float = opt(3.0, "time limit of one SPARQL query (keep below env.action_timeout_s)")
+    seed: int = opt(0, "seed of the question generator (task ids and splits follow from it)")
+
+
+@dataclass
+class AlfworldTaskConfig:
+    """[env.alfworld]: generated ALFWorld games in a pool of engine processes."""
+
+    max_rounds: int = opt(20, "rounds per episode (AgentBench FC: 20); catalogue games are ones the expert wins "
+                              "within it")
+    snap_actions: bool = opt(True, "map a non-admissible command to the closest admissible one by BLEU, as "
+                                   "AgentBench does; false = the engine says Nothing happens.")
+    pool_size: int = opt(4, "engine processes kept beyond env.max_sessions for loaded, ready games")
+    prefetch: int = opt(1, "a cold start also loads its game in this many idle processes (GRPO plays a task "
+                           "group_size times)")
+    recycle_after: int = opt(50, "episodes an engine process plays before it is replaced (the engine leaks memory)")
+    max_observation_chars: int = opt(4000, "overrides env.max_observation_chars: an observation lists every "
+                                           "admissible command")
+
+
+@dataclass
+class WebShopTaskConfig:
+    """[env.webshop]: a generated shop, search and click."""
+
+    num_products: int = opt(52000, "products in the generated catalogue (built once, cached)")
+    max_observation_chars: int = opt(2400, "overrides env.max_observation_chars: a results page is ~1.5k "
+                                           "characters")
+
+
 @dataclass
 class EnvConfig:
+    """[env]: what every task's env service reads; [env.<task>] sections hold each task's own keys."""
+
+    TASK_OVERRIDES: ClassVar[frozenset[str]] = frozenset({"max_observation_chars"})
+    """Generic keys a task section may redefine, the task's value winning for that task (the only
+    case today: a webshop results page or alfworld's list of commands needs a longer observation).
+    A task section redefining any other generic key is refused when this module is imported."""
+
     task: str = opt("db", "which task this env replica serves")
     max_sessions: int = opt(64, "open sessions per replica; start is refused (503) beyond it")
     session_timeout_s: float = opt(600.0, "an idle session is closed after this many seconds")
     action_timeout_s: float = opt(10.0, "wall-clock limit for one tool call")
-    max_observation_chars: int = opt(800, "tool output beyond this is cut (and the cut stated)")
+    max_observation_chars: int = opt(800, "tool output beyond this is cut (and the cut stated); webshop and "
+                                          "alfworld have their own")
     invalid_action_ends_episode: bool = opt(False, "a turn without a usable tool call ends the episode "
                                                    "(status invalid_action, reward 0) instead of an error observation")
     num_train_tasks: int = opt(256, "generated training tasks per task type")
     num_test_tasks: int = opt(64, "generated test tasks per task type")
     data_dir: str = opt("", "cache for built task data; empty = ~/.cache/jetrl/data")
-    os_backend: str = opt("bwrap", "os: sandbox per episode: bwrap (bubblewrap + overlayfs, no Docker) | docker")
-    os_suite: str = opt("bookworm", "os: Debian suite of the bwrap rootfs (built once by mmdebstrap, cached)")
-    os_mirror: str = opt("http://deb.debian.org/debian", "os: Debian mirror for the rootfs build")
-    os_docker_prefix: str = opt("jetrl-os", "os: docker backend images are <prefix>/default and <prefix>/packages")
-    os_command_timeout_s: float = opt(8.0, "os: wall-clock limit of one bash_action (kept below action_timeout_s)")
-    os_memory_mb: int = opt(1024, "os: memory cap of one episode's sandbox (AgentBench: 1 GiB)")
-    os_pids: int = opt(256, "os: process cap of one episode's sandbox (a fork bomb stops here)")
-    os_disk_mb: int = opt(512, "os: size of one episode's writable layer (tmpfs under the overlay)")
-    os_cpus: float = opt(1.0, "os: CPU share of one episode's sandbox")
-    os_agentbench_train: list[str] = opt([], "os: AgentBench OS task files (.json/.jsonl) added to the train split")
-    os_agentbench_test: list[str] = opt([], "os: AgentBench OS task files (.json/.jsonl) added to the test split")
-    db_server: str = opt("", "db: MariaDB/MySQL admin URL (mysql://user:pass@host:port), one database per "
-                             "episode; empty = embedded SQLite")
-    db_query_timeout_s: float = opt(5.0, "db: time limit of one SQL statement (keep below action_timeout_s)")
-    db_max_rows: int = opt(1000, "db: rows read from one result set before it is cut")
-    db_agentbench_file: str = opt("", "db: AgentBench dbbench jsonl served as split 'dev'; empty = none")
-    db_levels: list[int] = opt([1, 2, 3], "db: difficulty levels of the generated splits (1 one table, 2 one table "
-                                          "with two conditions, 3 several tables); task i has level 1 + i % 3 and "
-                                          "the others of the num_*_tasks are left out")
-    webshop_num_products: int = opt(52000, "webshop: products in the generated catalogue (built once, cached)")
-    webshop_max_observation_chars: int = opt(2400, "webshop: replaces max_observation_chars (a results page "
-                                                   "is ~1.5k characters)")
-    kg_result_cap: int = opt(1000, "kg: most entities one tool call may produce; a bigger step is refused")
-    kg_query_timeout_s: float = opt(3.0, "kg: time limit of one SPARQL query (keep below action_timeout_s)")
-    kg_seed: int = opt(0, "kg: seed of the question generator (task ids and splits follow from it)")
-    alfworld_max_rounds: int = opt(20, "alfworld: rounds per episode (AgentBench FC: 20); catalogue games are "
-                                       "ones the expert wins within it")
-    alfworld_snap_actions: bool = opt(True, "alfworld: map a non-admissible command to the closest admissible one "
-                                            "by BLEU, as AgentBench does; false = the engine says Nothing happens.")
-    alfworld_pool_size: int = opt(4, "alfworld: engine processes kept beyond max_sessions for loaded, ready games")
-    alfworld_prefetch: int = opt(1, "alfworld: a cold start also loads its game in this many idle processes "
-                                    "(GRPO plays a task group_size times)")
-    alfworld_recycle_after: int = opt(50, "alfworld: episodes an engine process plays before it is replaced "
-                                          "(the engine leaks memory)")
-    alfworld_max_observation_chars: int = opt(4000, "alfworld: replaces max_observation_chars (an observation "
-                                                    "lists every admissible command)")
+    db: DBTaskConfig = field(default_factory=DBTaskConfig)
+    os: OSTaskConfig = field(default_factory=OSTaskConfig)
+    kg: KGTaskConfig = field(default_factory=KGTaskConfig)
+    alfworld: AlfworldTaskConfig = field(default_factory=AlfworldTaskConfig)
+    webshop: WebShopTaskConfig = field(default_factory=WebShopTaskConfig)
+
+    def task_value(self, task: str, key: str) -> Any:
+        """A generic key as one task sees it: the task section's value where it overrides the key
+        (TASK_OVERRIDES), else [env]'s."""
+        section = getattr(self, task, None) if task in TASKS else None
+        if key in self.TASK_OVERRIDES and hasattr(section, key):
+            return getattr(section, key)
+        return getattr(self, key)
+
+
+TASKS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(EnvConfig)
+                               if dataclasses.is_dataclass(f.default_factory))
+"""The tasks with a section [env.<task>]: db, os, kg, alfworld, webshop."""
+
+MOVED_TO_TASK_SECTIONS: dict[str, tuple[str, ...]] = {
+    "db": ("server", "query_timeout_s", "max_rows", "agentbench_file", "levels"),
+    "os": ("backend", "suite", "mirror", "docker_prefix", "command_timeout_s", "memory_mb", "pids", "disk_mb", "cpus",
+           "agentbench_train", "agentbench_test"),
+    "kg": ("result_cap", "query_timeout_s", "seed"),
+    "alfworld": ("max_rounds", "snap_actions", "pool_size", "prefetch", "recycle_after", "max_observation_chars"),
+    "webshop": ("num_products", "max_observation_chars"),
+}
+"""Flat keys before issue 21: ``env.<task>_<key>`` is now ``env.<task>.<key>``. The old spelling is
+refused with an error that names the new one (in the form it was given: file, env var or flag)."""
+RENAMED: dict[str, str] = {f"env.{task}_{key}": f"env.{task}.{key}"
+                           for task, keys in MOVED_TO_TASK_SECTIONS.items() for key in keys}
 
 
 @dataclass
@@ -276,21 +351,57 @@ def _check_type(value: Any, hint: Any, key: str) -> Any:
     raise ConfigError(f"config key {key}: expected {getattr(hint, '__name__', hint)}, got {value!r}")
 
 
-def _apply(cfg: JetRLConfig, section: str, key: str, value: Any, *, from_text: bool) -> None:
-    if section not in {f.name for f in dataclasses.fields(cfg)}:
-        raise ConfigError(f"unknown config section {section!r} (known: {[f.name for f in dataclasses.fields(cfg)]})")
-    sub = getattr(cfg, section)
-    hints = typing.get_type_hints(type(sub))
-    if key not in hints:
-        raise ConfigError(f"unknown config key {section}.{key} (known: {sorted(hints)})")
-    hint = hints[key]
-    value = _parse_scalar(value, hint, f"{section}.{key}") if from_text else value
-    setattr(sub, key, _check_type(value, hint, f"{section}.{key}"))
+def _keys(section: Any) -> dict[str, Any]:
+    """Key -> type of a config section (a dataclass or its class); ClassVars are not keys."""
+    hints = typing.get_type_hints(section if isinstance(section, type) else type(section))
+    return {f.name: hints[f.name] for f in dataclasses.fields(section)}
+
+
+def _spelled(dotted: str, source: str) -> str:
+    """How to write a key in the form the user gave one: a TOML line, an env var or a flag."""
+    if source == "env var":
+        return "JETRL__" + dotted.upper().replace(".", "__") + "=..."
+    if source == "flag":
+        return f"--{dotted}=..."
+    table, _, key = dotted.rpartition(".")
+    return f"[{table}] {key} = ..."
+
+
+def _apply(cfg: JetRLConfig, path: list[str], value: Any, source: str) -> None:
+    """Set the key at ``path`` (["env", "db", "levels"]), walking down the sections. ``source`` is
+    "file" (value already typed by TOML), "env var" or "flag" (value is text to parse)."""
+    node: Any = cfg
+    for depth, name in enumerate(path):
+        dotted = ".".join(path[:depth + 1])
+        keys = _keys(node)
+        if name not in keys:
+            if dotted in RENAMED:
+                raise ConfigError(f"config key {dotted} is now {RENAMED[dotted]}: "
+                                  f"write {_spelled(RENAMED[dotted], source)}")
+            if depth == 0:
+                raise ConfigError(f"unknown config section {name!r} (known: {list(keys)})")
+            raise ConfigError(f"unknown config key {dotted} (known: {sorted(keys)})")
+        hint = keys[name]
+        if dataclasses.is_dataclass(hint):  # a section: go down, or take a TOML table key by key
+            if depth + 1 < len(path):
+                node = getattr(node, name)
+                continue
+            if source == "file" and isinstance(value, dict):
+                for key, item in value.items():
+                    _apply(cfg, [*path, key], item, source)
+                return
+            raise ConfigError(f"config {dotted} is a section: set its keys ({dotted}.<key>, known: "
+                              f"{sorted(_keys(hint))})")
+        if depth + 1 < len(path):
+            raise ConfigError(f"config key {dotted} has no keys below it (got {'.'.join(path)})")
+        value = value if source == "file" else _parse_scalar(value, hint, dotted)
+        setattr(node, name, _check_type(value, hint, dotted))
 
 
 def load_config(path: str | os.PathLike[str] | None = None, overrides: list[str] | None = None,
                 environ: dict[str, str] | None = None) -> JetRLConfig:
-    """File, then env vars ``JETRL__SECTION__KEY``, then ``section.key=value`` overrides."""
+    """File, then env vars ``JETRL__SECTION__KEY`` (``JETRL__ENV__DB__LEVELS``), then
+    ``section.key=value`` overrides (``env.db.levels=1,2``)."""
     cfg = JetRLConfig()
     if path:
         with open(path, "rb") as fh:
@@ -299,21 +410,20 @@ def load_config(path: str | os.PathLike[str] | None = None, overrides: list[str]
             if not isinstance(values, dict):
                 raise ConfigError(f"config file {path}: top-level key {section!r} must be a [section]")
             for key, value in values.items():
-                _apply(cfg, section, key, value, from_text=False)
+                _apply(cfg, [section, key], value, "file")
     env = os.environ if environ is None else environ
     for name, raw in sorted(env.items()):
         if name.startswith("JETRL__"):
             parts = name[len("JETRL__"):].lower().split("__")
-            if len(parts) != 2:
-                raise ConfigError(f"env var {name}: expected JETRL__SECTION__KEY")
-            _apply(cfg, parts[0], parts[1], raw, from_text=True)
+            if len(parts) < 2 or not all(parts):
+                raise ConfigError(f"env var {name}: expected JETRL__SECTION__KEY (or JETRL__ENV__TASK__KEY)")
+            _apply(cfg, parts, raw, "env var")
     for item in overrides or []:
         item = item[2:] if item.startswith("--") else item
         if "=" not in item or "." not in item.split("=", 1)[0]:
             raise ConfigError(f"override {item!r}: expected section.key=value")
         dotted, raw = item.split("=", 1)
-        section, key = dotted.split(".", 1)
-        _apply(cfg, section, key.replace("-", "_"), raw, from_text=True)
+        _apply(cfg, [part.replace("-", "_") for part in dotted.split(".")], raw, "flag")
     validate(cfg)
     return cfg
 
@@ -351,13 +461,24 @@ def validate(cfg: JetRLConfig) -> None:
 
 
 def save_config(cfg: JetRLConfig, path: str | os.PathLike[str]) -> None:
-    """Write the config as TOML (readable back by load_config)."""
-    lines = []
-    for section, values in cfg.to_dict().items():
-        lines.append(f"[{section}]")
-        for key, value in values.items():
-            lines.append(f"{key} = {_toml_value(value)}")
+    """Write the config as TOML (readable back by load_config): [section], then its [section.sub]."""
+    lines: list[str] = []
+
+    def table(name: str, section: Any) -> None:
+        lines.append(f"[{name}]")
+        subsections = []
+        for key in _keys(section):
+            value = getattr(section, key)
+            if dataclasses.is_dataclass(value):
+                subsections.append((f"{name}.{key}", value))
+            else:
+                lines.append(f"{key} = {_toml_value(value)}")
         lines.append("")
+        for sub_name, sub in subsections:
+            table(sub_name, sub)
+
+    for name in _keys(cfg):
+        table(name, getattr(cfg, name))
     Path(path).write_text("\n".join(lines))
 
 
@@ -375,16 +496,38 @@ def _toml_value(value: Any) -> str:
     raise ConfigError(f"cannot write {value!r} as TOML")
 
 
-def describe() -> str:
-    """Every key with its type, default and help: the text behind `jetrl config`."""
-    out = []
-    for section in dataclasses.fields(JetRLConfig):
-        out.append(f"[{section.name}]")
-        sub = section.default_factory()  # type: ignore[misc]
-        hints = typing.get_type_hints(type(sub))
-        for f in dataclasses.fields(sub):
-            out.append(f"  {f.name} ({getattr(hints[f.name], '__name__', hints[f.name])}) = "
-                       f"{getattr(sub, f.name)!r}  # {f.metadata.get('help', '')}")
+def describe(task: str | None = None) -> str:
+    """Every key with its type, default and help: the text behind `jetrl config`. With a task, only
+    what that task's env service reads: [env] and [env.<task>], with the keys the task overrides."""
+    if task is not None and task not in TASKS:
+        raise ConfigError(f"unknown task {task!r} (known: {', '.join(TASKS)})")
+    out: list[str] = []
+
+    def table(name: str, section: Any) -> None:
+        out.append(f"[{name}]")
+        helps = {f.name: f.metadata.get("help", "") for f in dataclasses.fields(section)}
+        subsections = []
+        for key, hint in _keys(section).items():
+            value = getattr(section, key)
+            if dataclasses.is_dataclass(value):
+                if task is None or key == task:
+                    subsections.append((f"{name}.{key}", value))
+                continue
+            note = ""
+            if task is not None and name == "env" and key in EnvConfig.TASK_OVERRIDES and \
+                    hasattr(getattr(section, task), key):
+                note = f"  [{task} uses env.{task}.{key} instead]"
+            out.append(f"  {key} ({getattr(hint, '__name__', hint)}) = {value!r}  # {helps[key]}{note}")
+        for sub_name, sub in subsections:
+            table(sub_name, sub)
+
+    cfg = JetRLConfig()
+    for name in _keys(cfg):
+        if task is None or name == "env":
+            table(name, getattr(cfg, name))
+    if task is not None:
+        out.insert(0, f"# what the {task} env service reads: [env] (every task) and [env.{task}]; "
+                      "`jetrl config` lists every section")
     return "\n".join(out)
 
 
@@ -407,3 +550,20 @@ def from_argv(argv: list[str], positional: int = 0) -> tuple[JetRLConfig, list[s
     if len(args) != positional:
         raise ConfigError(f"expected {positional} positional argument(s), got {args}")
     return load_config(path, overrides), args
+
+
+def _check_task_sections() -> None:
+    """A task section may shadow a generic [env] key only if EnvConfig.TASK_OVERRIDES lists it, with
+    the same type: an override is a decision written down, never an accident of naming."""
+    generic = _keys(EnvConfig)
+    for task in TASKS:
+        for key, hint in _keys(generic[task]).items():
+            if key in generic and (key not in EnvConfig.TASK_OVERRIDES or hint != generic[key]):
+                raise TypeError(f"env.{task}.{key} shadows env.{key}, which EnvConfig.TASK_OVERRIDES does not allow")
+    for task, keys in MOVED_TO_TASK_SECTIONS.items():
+        missing = set(keys) - set(_keys(generic[task]))
+        if missing:
+            raise TypeError(f"MOVED_TO_TASK_SECTIONS names keys env.{task} lacks: {sorted(missing)}")
+
+
+_check_task_sections()

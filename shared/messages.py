@@ -1,22 +1,30 @@
 """Every message type that crosses a NATS subject, and the one msgpack codec for all of them.
 
-Each message is a dataclass with a ``KIND`` and a schema ``VERSION``. On the wire it is a msgpack map
-``{"kind": KIND, "v": VERSION, **fields}``. ``decode(data, Type)`` either returns a fully
-type-checked instance or raises ``BadMessage`` with the reason: the boundary of every service.
-Readers accept any message whose version is ``<= VERSION`` for fields they know; a newer major
-version is refused rather than misread.
+Each message is a ``msgspec.Struct`` tagged by its kind. On the wire it is a msgpack map
+``{"kind": KIND, "v": VERSION, **fields}``, the very bytes the hand-written codec wrote before
+issue 21, so any other reader (the Node client) reads our streams as it did. ``decode(data, Type)``
+either returns a fully type-checked instance or raises ``BadMessage`` with the reason and the field
+path (``trajectory.tokens[17]: expected an integer >= 0``): the boundary of every service.
+
+msgspec decodes straight into the typed Struct in C, value constraints included (token ids,
+loss masks, logprobs: see the aliases below); checks across fields (equal lengths, turn spans) run
+in ``__post_init__``, on construction and on decode alike.
+
+Versions: readers accept any message whose ``v`` is ``<=`` their ``VERSION`` and ignore fields
+they do not know (a newer writer may add optional ones); a newer ``v`` is refused rather than
+misread. A message without ``v`` is read as the reader's version (the old codec refused it; every
+writer sends ``v``). To change a message incompatibly, raise its ``VERSION`` and give ``v`` the same
+default (``tests/test_contract.py`` checks that they agree).
 """
 
 from __future__ import annotations
 
-import dataclasses
+import re
+import sys
 import time
-import types
-import typing
-from dataclasses import dataclass, field
-from typing import Any, ClassVar, TypeVar
+from typing import Annotated, Any, ClassVar, TypeVar
 
-import msgpack
+import msgspec
 
 MAX_MESSAGE_BYTES = 8 * 1024 * 1024
 """Largest message the codec accepts. nats-server's max_payload must be at least this (see natsd)."""
@@ -35,15 +43,38 @@ def now() -> float:
     return time.time()
 
 
+# Value constraints, checked by msgspec while it decodes (construction does not check them).
+TokenId = Annotated[int, msgspec.Meta(ge=0)]
+"""A vocabulary index."""
+LossMask = Annotated[int, msgspec.Meta(ge=0, le=1)]
+"""1 = a sampled token the loss trains on, 0 = prompt, observation or template."""
+LogProb = Annotated[float, msgspec.Meta(ge=-sys.float_info.max, le=0.0)]
+"""A behaviour logprob: finite (the lower bound refuses -inf, and NaN fails every bound) and <= 0."""
+
+
+class Message(msgspec.Struct, tag_field="kind", kw_only=True):
+    """Base of every top-level message: ``kind`` is the struct's tag, ``v`` its schema version.
+
+    Keyword-only, so ``v`` comes first on the wire as it always did, and adding a field can never
+    shift a positional argument.
+    """
+
+    KIND: ClassVar[str]
+    """The tag (``kind`` on the wire); set from the class's ``tag=`` at the end of this module."""
+    VERSION: ClassVar[int] = 1
+    v: int = 1
+    """Schema version the writer used."""
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.v <= self.VERSION:
+            raise BadMessage(f"{self.KIND}: unsupported schema version {self.v} (this reader knows <= {self.VERSION})")
+
+
 # --------------------------------------------------------------------------------------------- #
 # Episode assignments (controller -> rollout, stream JOBS)
 # --------------------------------------------------------------------------------------------- #
-@dataclass
-class EpisodeJob:
+class EpisodeJob(Message, tag="episode_job", kw_only=True):
     """One episode to play. The ``group_size`` episodes of a group share ``task_id`` (GRPO)."""
-
-    KIND: ClassVar[str] = "episode_job"
-    VERSION: ClassVar[int] = 1
 
     episode_id: str
     group_id: str
@@ -53,29 +84,21 @@ class EpisodeJob:
     group_size: int = 1
     temperature: float = 1.0
     max_new_tokens: int = 128
-    created_at: float = field(default_factory=now)
+    created_at: float = msgspec.field(default_factory=now)
 
 
 # --------------------------------------------------------------------------------------------- #
 # Unified function-call environment API (rollout <-> env services, request/reply)
 # --------------------------------------------------------------------------------------------- #
-@dataclass
-class EnvStart:
-    KIND: ClassVar[str] = "env_start"
-    VERSION: ClassVar[int] = 1
-
+class EnvStart(Message, tag="env_start", kw_only=True):
     session_id: str
     task_id: str
     split: str = "train"
     seed: int = 0
 
 
-@dataclass
-class EnvStarted:
+class EnvStarted(Message, tag="env_started", kw_only=True):
     """The opening of an episode: OpenAI-format messages and tool schemas."""
-
-    KIND: ClassVar[str] = "env_started"
-    VERSION: ClassVar[int] = 1
 
     session_id: str
     replica_id: str
@@ -84,73 +107,49 @@ class EnvStarted:
     max_turns: int
 
 
-@dataclass
-class EnvInteract:
+class EnvInteract(Message, tag="env_interact", kw_only=True):
     """One assistant message in OpenAI format (``content`` and optional ``tool_calls``)."""
-
-    KIND: ClassVar[str] = "env_interact"
-    VERSION: ClassVar[int] = 1
 
     session_id: str
     message: dict[str, Any]
 
 
-@dataclass
-class EnvOracle:
+class EnvOracle(Message, tag="env_oracle", kw_only=True):
     """Ask for the oracle's next assistant message; the reply is an EnvInteract-shaped message."""
-
-    KIND: ClassVar[str] = "env_oracle"
-    VERSION: ClassVar[int] = 1
 
     session_id: str
 
 
-@dataclass
-class EnvCancel:
-    KIND: ClassVar[str] = "env_cancel"
-    VERSION: ClassVar[int] = 1
-
+class EnvCancel(Message, tag="env_cancel", kw_only=True):
     session_id: str
     reason: str = "cancelled"
 
 
-@dataclass
-class EnvStep:
+class EnvStep(Message, tag="env_step", kw_only=True):
     """The env's answer to interact or cancel: ``{finish, reward, status, messages, metrics}``."""
-
-    KIND: ClassVar[str] = "env_step"
-    VERSION: ClassVar[int] = 1
 
     finish: bool
     reward: float
     status: str
     messages: list[dict[str, Any]]
-    metrics: dict[str, float] = field(default_factory=dict)
+    metrics: dict[str, float] = msgspec.field(default_factory=dict)
 
 
-@dataclass
-class EnvTaskList:
+class EnvTaskList(Message, tag="env_task_list", kw_only=True):
     """Request (``task_ids`` empty) and reply: the ids of one split's tasks, stable across replicas."""
 
-    KIND: ClassVar[str] = "env_task_list"
-    VERSION: ClassVar[int] = 1
-
     split: str
-    task_ids: list[str] = field(default_factory=list)
+    task_ids: list[str] = msgspec.field(default_factory=list)
 
 
-@dataclass
-class EnvHealth:
-    KIND: ClassVar[str] = "env_health"
-    VERSION: ClassVar[int] = 1
-
+class EnvHealth(Message, tag="env_health", kw_only=True):
     replica_id: str
     task: str
     sessions: int
     max_sessions: int
     sessions_started: int
     uptime_s: float
-    task_counts: dict[str, int] = field(default_factory=dict)
+    task_counts: dict[str, int] = msgspec.field(default_factory=dict)
 
 
 class EpisodeStatus:
@@ -169,11 +168,7 @@ class EpisodeStatus:
 # --------------------------------------------------------------------------------------------- #
 # Episode events (stream EPISODES): every action and observation, in order
 # --------------------------------------------------------------------------------------------- #
-@dataclass
-class ActionEvent:
-    KIND: ClassVar[str] = "action"
-    VERSION: ClassVar[int] = 1
-
+class ActionEvent(Message, tag="action", kw_only=True):
     episode_id: str
     task: str
     turn: int
@@ -181,14 +176,10 @@ class ActionEvent:
     engine_id: str
     policy_version: int
     message: dict[str, Any]
-    ts: float = field(default_factory=now)
+    ts: float = msgspec.field(default_factory=now)
 
 
-@dataclass
-class ObservationEvent:
-    KIND: ClassVar[str] = "observation"
-    VERSION: ClassVar[int] = 1
-
+class ObservationEvent(Message, tag="observation", kw_only=True):
     episode_id: str
     task: str
     turn: int
@@ -196,18 +187,18 @@ class ObservationEvent:
     reward: float
     finish: bool
     status: str
-    ts: float = field(default_factory=now)
+    ts: float = msgspec.field(default_factory=now)
 
 
 # --------------------------------------------------------------------------------------------- #
 # Trajectories (stream TRAJ): one record per finished episode, token-in/token-out
 # --------------------------------------------------------------------------------------------- #
-@dataclass
-class TurnInfo:
-    """Span ``[start, end)`` of the tokens one engine generated in one turn, and who made them."""
+class TurnInfo(msgspec.Struct, kw_only=True):
+    """Span ``[start, end)`` of the tokens one engine generated in one turn, and who made them.
 
-    KIND: ClassVar[str] = "turn"
-    VERSION: ClassVar[int] = 1
+    Not a message of its own: inside a Trajectory it is a plain map, without kind or version.
+    ``policy_version`` is -1 for the env's oracle (no policy made those tokens).
+    """
 
     start: int
     end: int
@@ -215,12 +206,8 @@ class TurnInfo:
     policy_version: int
 
 
-@dataclass
-class Trajectory:
+class Trajectory(Message, tag="trajectory", kw_only=True):
     """Exact sampled token ids with their behaviour logprobs; loss mask = assistant tokens only."""
-
-    KIND: ClassVar[str] = "trajectory"
-    VERSION: ClassVar[int] = 1
 
     episode_id: str
     group_id: str
@@ -228,26 +215,29 @@ class Trajectory:
     task_id: str
     split: str
     group_size: int
-    tokens: list[int]
-    logprobs: list[float]
-    loss_mask: list[int]
+    tokens: list[TokenId]
+    logprobs: list[LogProb]
+    loss_mask: list[LossMask]
     prompt_len: int
     turns: list[TurnInfo]
     reward: float
     status: str
     replica_id: str
-    metrics: dict[str, float] = field(default_factory=dict)
+    metrics: dict[str, float] = msgspec.field(default_factory=dict)
     temperature: float = 1.0
     """Sampling temperature of the behaviour policy (the trainer scores tokens at the same one)."""
-    created_at: float = field(default_factory=now)
+    created_at: float = msgspec.field(default_factory=now)
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         n = len(self.tokens)
         if len(self.logprobs) != n or len(self.loss_mask) != n:
-            raise BadMessage(
-                f"trajectory {self.episode_id}: tokens/logprobs/loss_mask lengths differ "
-                f"({n}/{len(self.logprobs)}/{len(self.loss_mask)})"
-            )
+            raise BadMessage(f"trajectory {self.episode_id}: tokens/logprobs/loss_mask lengths differ "
+                             f"({n}/{len(self.logprobs)}/{len(self.loss_mask)})")
+        for i, turn in enumerate(self.turns):
+            if not 0 <= turn.start <= turn.end <= n:
+                raise BadMessage(f"trajectory {self.episode_id}: turns[{i}] spans [{turn.start}, {turn.end}), "
+                                 f"outside its {n} tokens (0 <= start <= end <= len(tokens))")
 
     @property
     def min_policy_version(self) -> int:
@@ -261,95 +251,84 @@ class Trajectory:
 # --------------------------------------------------------------------------------------------- #
 # Generation pool (cross-policy sampling): any rollout replica may ask any engine for one turn
 # --------------------------------------------------------------------------------------------- #
-@dataclass
-class GenerateRequest:
-    KIND: ClassVar[str] = "generate_request"
-    VERSION: ClassVar[int] = 1
-
-    prompt: list[int]
+class GenerateRequest(Message, tag="generate_request", kw_only=True):
+    prompt: list[TokenId]
     max_new_tokens: int
     temperature: float
 
 
-@dataclass
-class GenerateReply:
+class GenerateReply(Message, tag="generate_reply", kw_only=True):
     """Sampled token ids and behaviour logprobs, with the engine and policy version that made them."""
 
-    KIND: ClassVar[str] = "generate_reply"
-    VERSION: ClassVar[int] = 1
-
-    tokens: list[int]
-    logprobs: list[float]
+    tokens: list[TokenId]
+    logprobs: list[LogProb]
     finish_reason: str
     engine_id: str
     policy_version: int
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if len(self.tokens) != len(self.logprobs):
+            raise BadMessage(f"generate_reply: tokens/logprobs lengths differ "
+                             f"({len(self.tokens)}/{len(self.logprobs)})")
 
 
 # --------------------------------------------------------------------------------------------- #
 # Weights, registry, metrics, dead letters, run control
 # --------------------------------------------------------------------------------------------- #
-@dataclass
-class WeightsAnnouncement:
-    KIND: ClassVar[str] = "weights"
-    VERSION: ClassVar[int] = 1
-
+class WeightsAnnouncement(Message, tag="weights", kw_only=True):
     version: int
     object_name: str
     digest: str
     size: int
     dtype: str
-    ts: float = field(default_factory=now)
+    ts: float = msgspec.field(default_factory=now)
     format: str = "full"
     """``full``: every weight; ``lora``: an adapter (``shared.model.lora_delta``) to add to the base weights."""
 
 
-@dataclass
-class Heartbeat:
-    KIND: ClassVar[str] = "heartbeat"
-    VERSION: ClassVar[int] = 1
-
+class Heartbeat(Message, tag="heartbeat", kw_only=True):
     role: str
     replica_id: str
     pid: int
     host: str
     started_at: float
-    info: dict[str, Any] = field(default_factory=dict)
-    ts: float = field(default_factory=now)
+    info: dict[str, Any] = msgspec.field(default_factory=dict)
+    ts: float = msgspec.field(default_factory=now)
 
 
-@dataclass
-class MetricsReport:
-    KIND: ClassVar[str] = "metrics"
-    VERSION: ClassVar[int] = 1
-
+class MetricsReport(Message, tag="metrics", kw_only=True):
     role: str
     replica_id: str
     step: int
     values: dict[str, float]
-    ts: float = field(default_factory=now)
+    ts: float = msgspec.field(default_factory=now)
 
 
-@dataclass
-class DeadLetter:
-    KIND: ClassVar[str] = "dead_letter"
-    VERSION: ClassVar[int] = 1
-
+class DeadLetter(Message, tag="dead_letter", kw_only=True):
     origin_subject: str
     reason: str
     payload: bytes
     service: str
-    ts: float = field(default_factory=now)
+    ts: float = msgspec.field(default_factory=now)
 
 
-@dataclass
-class RunControl:
-    KIND: ClassVar[str] = "run_control"
-    VERSION: ClassVar[int] = 1
-
+class RunControl(Message, tag="run_control", kw_only=True):
     event: str
     step: int = 0
-    info: dict[str, Any] = field(default_factory=dict)
-    ts: float = field(default_factory=now)
+    info: dict[str, Any] = msgspec.field(default_factory=dict)
+    ts: float = msgspec.field(default_factory=now)
+
+
+MESSAGES: tuple[type[Message], ...] = (
+    EpisodeJob, EnvStart, EnvStarted, EnvInteract, EnvOracle, EnvCancel, EnvStep, EnvTaskList, EnvHealth,
+    ActionEvent, ObservationEvent, Trajectory, GenerateRequest, GenerateReply, WeightsAnnouncement, Heartbeat,
+    MetricsReport, DeadLetter, RunControl,
+)
+"""Every top-level message type."""
+
+for _cls in MESSAGES:  # the tag is the one definition of a kind; KIND names it for code and logs
+    _cls.KIND = _cls.__struct_config__.tag  # type: ignore[assignment]
 
 
 # --------------------------------------------------------------------------------------------- #
@@ -357,122 +336,81 @@ class RunControl:
 # --------------------------------------------------------------------------------------------- #
 M = TypeVar("M")
 
+_encoder = msgspec.msgpack.Encoder()
+
+
+class _NoKind(msgspec.Struct, tag_field="kind", tag="\x00"):
+    """Never sent. msgspec only insists on the tag when it decodes a tagged *union*, so every
+    decoder reads ``Type | _NoKind``: a message without ``kind`` is refused, not guessed."""
+
+
+_decoders: dict[type, msgspec.msgpack.Decoder[Any]] = {}
+
+
+def _decoder(cls: type) -> msgspec.msgpack.Decoder[Any]:
+    if cls not in _decoders:
+        _decoders[cls] = msgspec.msgpack.Decoder(cls | _NoKind)
+    return _decoders[cls]
+
 
 def encode(msg: Any) -> bytes:
-    """Encode a message dataclass; refuses one larger than MAX_MESSAGE_BYTES."""
-    body = {"kind": msg.KIND, "v": msg.VERSION}
-    body.update(_to_plain(msg))
-    data = msgpack.packb(body, use_bin_type=True)
+    """Encode a message; refuses one larger than MAX_MESSAGE_BYTES."""
+    data = _encoder.encode(msg)
     if len(data) > MAX_MESSAGE_BYTES:
         raise BadMessage(f"{msg.KIND} message is {len(data)} bytes, limit {MAX_MESSAGE_BYTES}", code=413)
     return data
 
 
 def decode(data: bytes, cls: type[M]) -> M:
-    """Decode and validate bytes into ``cls`` or raise BadMessage with the reason."""
+    """Decode and validate bytes into ``cls`` or raise BadMessage with the reason and field path."""
     if len(data) > MAX_MESSAGE_BYTES:
         raise BadMessage(f"message is {len(data)} bytes, limit {MAX_MESSAGE_BYTES}", code=413)
+    kind = cls.KIND  # type: ignore[attr-defined]
     try:
-        body = msgpack.unpackb(data, raw=False, strict_map_key=False)
-    except Exception as exc:  # msgpack raises several unrelated types
+        msg = _decoder(cls).decode(data)
+    except msgspec.ValidationError as exc:
+        # msgspec stops at the first wrong value; bytes that are not msgpack at all say so first
+        try:
+            msgspec.msgpack.decode(data)
+        except msgspec.DecodeError as not_msgpack:
+            raise BadMessage(f"not msgpack: {not_msgpack}") from None
+        raise BadMessage(_reason(str(exc), kind)) from None
+    except msgspec.DecodeError as exc:
         raise BadMessage(f"not msgpack: {exc}") from None
-    if not isinstance(body, dict):
-        raise BadMessage(f"expected a msgpack map, got {type(body).__name__}")
-    kind, version = body.pop("kind", None), body.pop("v", None)
-    if kind != cls.KIND:  # type: ignore[attr-defined]
-        raise BadMessage(f"expected kind {cls.KIND!r}, got {kind!r}")  # type: ignore[attr-defined]
-    if not isinstance(version, int) or version < 1 or version > cls.VERSION:  # type: ignore[attr-defined]
-        raise BadMessage(
-            f"{kind}: unsupported schema version {version!r} (this reader knows <= {cls.VERSION})"  # type: ignore[attr-defined]
-        )
-    return _from_plain(body, cls, kind)
+    if not isinstance(msg, cls):  # a message that claims to be _NoKind
+        raise BadMessage(f"expected kind {kind!r}, got {msg.__struct_config__.tag!r}")
+    return msg
 
 
-def _to_plain(msg: Any) -> dict[str, Any]:
-    out = {}
-    for f in dataclasses.fields(msg):
-        value = getattr(msg, f.name)
-        if isinstance(value, list) and value and dataclasses.is_dataclass(value[0]):
-            value = [_to_plain(v) for v in value]
-        elif dataclasses.is_dataclass(value):
-            value = _to_plain(value)
-        out[f.name] = value
-    return out
+# msgspec's words for types, in the codec's own (the reasons services log and dead-letter).
+_EXPECTED = {"int": "an integer", "float": "a number", "array": "a list", "object": "a map"}
+_GOT = {"array": "list", "object": "map"}
+_FINITE = f"`float` >= {-sys.float_info.max!r}"  # LogProb's lower bound, which only -inf and NaN miss
 
 
-_HINTS: dict[type, dict[str, Any]] = {}
-
-
-def _hints(cls: type) -> dict[str, Any]:
-    if cls not in _HINTS:
-        _HINTS[cls] = typing.get_type_hints(cls)
-    return _HINTS[cls]
-
-
-def _from_plain(body: dict[str, Any], cls: type[M], where: str) -> M:
-    if not isinstance(body, dict):
-        raise BadMessage(f"{where}: expected a map, got {type(body).__name__}")
-    hints = _hints(cls)
-    kwargs: dict[str, Any] = {}
-    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
-        if f.name in body:
-            kwargs[f.name] = _check(body[f.name], hints[f.name], f"{where}.{f.name}")
-        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-            raise BadMessage(f"{where}: missing field {f.name!r}")
-    # Unknown fields are ignored on purpose: a newer minor writer may add optional fields.
-    try:
-        return cls(**kwargs)
-    except BadMessage:
-        raise
-    except (TypeError, ValueError) as exc:
-        raise BadMessage(f"{where}: {exc}") from None
-
-
-def _check(value: Any, hint: Any, where: str) -> Any:
-    origin = typing.get_origin(hint)
-    if hint is Any:
-        return value
-    if origin in (typing.Union, types.UnionType):
-        for option in typing.get_args(hint):
-            try:
-                return _check(value, option, where)
-            except BadMessage:
-                continue
-        raise BadMessage(f"{where}: {type(value).__name__} does not match {hint}")
-    if hint is type(None):
-        if value is None:
-            return None
-        raise BadMessage(f"{where}: expected null")
-    if origin is list:
-        if not isinstance(value, list):
-            raise BadMessage(f"{where}: expected a list, got {type(value).__name__}")
-        (item,) = typing.get_args(hint) or (Any,)
-        if item is int:  # hot path: token ids
-            if not all(type(v) is int for v in value):
-                raise BadMessage(f"{where}: expected a list of integers")
-            return value
-        if item is float:  # hot path: logprobs
-            if not all(type(v) in (float, int) for v in value):
-                raise BadMessage(f"{where}: expected a list of numbers")
-            return [float(v) for v in value]
-        return [_check(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise BadMessage(f"{where}: expected a map, got {type(value).__name__}")
-        key_t, val_t = typing.get_args(hint) or (Any, Any)
-        return {_check(k, key_t, f"{where} key"): _check(v, val_t, f"{where}[{k!r}]") for k, v in value.items()}
-    if dataclasses.is_dataclass(hint):
-        return _from_plain(value, hint, where)  # type: ignore[arg-type]
-    if hint is float:
-        if type(value) in (float, int):
-            return float(value)
-        raise BadMessage(f"{where}: expected a number, got {type(value).__name__}")
-    if hint is int:
-        if type(value) is int:
-            return value
-        raise BadMessage(f"{where}: expected an integer, got {type(value).__name__}")
-    if hint in (str, bool, bytes):
-        if type(value) is hint:
-            return value
-        raise BadMessage(f"{where}: expected {hint.__name__}, got {type(value).__name__}")
-    raise TypeError(f"codec cannot check type {hint!r} at {where}")  # a bug in a message definition
+def _reason(error: str, kind: str) -> str:
+    """``Expected `int`, got `str` - at `$.turns[0].start``` -> ``trajectory.turns[0].start:
+    expected an integer, got str``: the field path first, in the codec's words."""
+    text, _, where = error.partition(" - at `")
+    where = where.removesuffix("`")
+    if where.startswith("key` in `"):  # a map key: "key` in `$.metrics"
+        where = where.removeprefix("key` in `") + " key"
+    path = kind + where.removeprefix("$") if where else kind
+    if where == "$.kind" or (not where and text.endswith("field `kind`")):
+        got = re.search(r"Invalid value (.*)|got `(\w+)`", text)  # a wrong value or type; else missing
+        return f"expected kind {kind!r}, got {got[1] or got[2] if got else None}"
+    if not where and text.startswith("Expected `object`"):  # the message itself is no map
+        got = text.rsplit("`", 2)[-2]
+        return f"expected a msgpack map, got {_GOT.get(got, got)}"
+    if text.startswith("Expected " + _FINITE):
+        return f"{path}: expected a finite number"
+    missing = re.fullmatch(r"Object missing required field `(\w+)`", text)
+    if missing:
+        return f"{path}: missing field {missing[1]!r}"
+    typed = re.fullmatch(r"Expected `(\w+)`(.*)", text)
+    if typed:
+        rest = re.sub(r"got `(\w+)`", lambda m: "got " + _GOT.get(m[1], m[1]), typed[2])
+        return f"{path}: expected {_EXPECTED.get(typed[1], typed[1])}{rest}"
+    if not where:  # raised by a __post_init__: already names the message
+        return text
+    return f"{path}: {text[:1].lower()}{text[1:]}"

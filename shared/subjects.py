@@ -154,3 +154,14 @@ class Subjects:
     @staticmethod
     def weights_object(version: int) -> str:
         return f"policy-{version:08d}.safetensors"
+
+    # ---- object-store internals (NATS ADR-20), for readers that bypass nats-py's ObjectStore ----
+    @staticmethod
+    def object_stream(bucket: str) -> str:
+        """The stream behind an object-store bucket; ``shared.bus.read_object`` pulls chunks from it."""
+        return f"OBJ_{bucket}"
+
+    @staticmethod
+    def object_chunks(bucket: str, nuid: str) -> str:
+        """The subject holding one object's chunks (``nuid`` from the object's info), in order."""
+        return f"$O.{bucket}.C.{nuid}"

@@ -24,7 +24,7 @@ from services.envs.alfworld_env import AlfworldEnv, agentbench_task_ids, gen, ma
 from services.envs.alfworld_env.pool import EngineDied  # noqa: E402
 from services.envs.base import ToolCall, ToolError  # noqa: E402
 from services.envs.host import EnvHost  # noqa: E402
-from shared.config import EnvConfig  # noqa: E402
+from shared.config import AlfworldTaskConfig, EnvConfig  # noqa: E402
 from shared.envapi import EnvClient  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -32,8 +32,8 @@ REPO = Path(__file__).resolve().parent.parent
 
 @pytest.fixture(scope="module")
 def env() -> Iterator[AlfworldEnv]:
-    cfg = EnvConfig(task="alfworld", num_train_tasks=1, num_test_tasks=1, max_sessions=6, alfworld_pool_size=2,
-                    alfworld_prefetch=0)
+    cfg = EnvConfig(task="alfworld", num_train_tasks=1, num_test_tasks=1, max_sessions=6,
+                    alfworld=AlfworldTaskConfig(pool_size=2, prefetch=0))
     env = make_env(cfg)
     yield env
     env.close()
@@ -238,7 +238,7 @@ def test_memoized_text_and_cached_translation_change_nothing(env: AlfworldEnv, t
 
 # --------------------------------------------------------------------------------------------- over NATS
 async def test_served_over_nats_oracle_episodes_and_bad_actions(env: AlfworldEnv, config, subjects, nc) -> None:
-    config.env.task, config.env.max_observation_chars, config.env.action_timeout_s = "alfworld", 4000, 10.0
+    config.env.task, config.env.action_timeout_s = "alfworld", 10.0
     host = EnvHost(env, config.env, subjects, "alfworld-r1")
     service = await host.serve(nc, nc.jetstream())
     client = EnvClient(nc, subjects, "alfworld", timeout_s=60)
@@ -276,10 +276,10 @@ async def test_served_over_nats_oracle_episodes_and_bad_actions(env: AlfworldEnv
             assert not step.finish and expect in step.messages[0]["content"], (expect, step.messages)
         step = await client.interact(rid, sid, call("take_action", {"action": "xyzzy"}))
         assert step.messages[0]["content"].startswith("Nothing happens.") and not step.finish
-        config.env.max_observation_chars = 60  # a long observation is cut, and says so
+        config.env.alfworld.max_observation_chars = 60  # a long observation is cut, and says so
         step = await client.interact(rid, sid, call("take_action", {"action": "inventory"}))
         assert "truncated" in step.messages[0]["content"] and len(step.messages[0]["content"]) < 120
-        config.env.max_observation_chars = 4000
+        config.env.alfworld.max_observation_chars = 4000
         health = await client.health()
         assert health.task_counts == {"train": 6, "test": 6} and health.sessions == 1
         cancelled = await client.cancel(rid, sid)

@@ -16,7 +16,7 @@ from services.envs.db.backends import Limits, SQLiteDB
 from services.envs.db.grading import clean_answer, compare, rows_hash
 from services.envs.db.tasks import Table
 from services.envs.host import EnvHost
-from shared.config import EnvConfig, JetRLConfig
+from shared.config import DBTaskConfig, EnvConfig, JetRLConfig
 from shared.envapi import EnvClient
 
 
@@ -108,7 +108,7 @@ def test_generated_tasks_are_stable_disjoint_and_cover_levels_and_types(env) -> 
 
 
 def test_db_levels_selects_a_curriculum_and_refuses_the_rest() -> None:
-    easy = make_env(EnvConfig(num_train_tasks=12, num_test_tasks=9, db_levels=[1, 2]))
+    easy = make_env(EnvConfig(num_train_tasks=12, num_test_tasks=9, db=DBTaskConfig(levels=[1, 2])))
     try:
         ids = easy.task_ids("test")
         assert ids == ["test-00000", "test-00001", "test-00003", "test-00004", "test-00006", "test-00007"]
@@ -116,8 +116,8 @@ def test_db_levels_selects_a_curriculum_and_refuses_the_rest() -> None:
             easy.task("test-00002", "test")
     finally:
         easy.close()
-    with pytest.raises(ValueError, match="db_levels"):
-        make_env(EnvConfig(db_levels=[4]))
+    with pytest.raises(ValueError, match=r"env\.db\.levels"):
+        make_env(EnvConfig(db=DBTaskConfig(levels=[4])))
 
 
 def test_oracle_solves_a_sample_of_generated_tasks(env) -> None:
@@ -158,7 +158,7 @@ def test_source_catalogues_build_deterministically(tmp_path: Path) -> None:
 
 # ---------------------------------------------------------------------------- AgentBench dev
 def dev_env(agentbench: Path) -> object:
-    cfg = EnvConfig(db_agentbench_file=str(agentbench / "dbbench" / "dev.jsonl"))
+    cfg = EnvConfig(db=DBTaskConfig(agentbench_file=str(agentbench / "dbbench" / "dev.jsonl")))
     return make_env(cfg)
 
 
@@ -230,7 +230,7 @@ def test_replay_rebuilds_the_session_state(env) -> None:
 # ----------------------------------------------------------------------------- over NATS
 def oracle_config(config: JetRLConfig) -> EnvConfig:
     config.env.num_train_tasks, config.env.num_test_tasks = 30, 9
-    config.env.action_timeout_s, config.env.db_query_timeout_s = 5.0, 1.0
+    config.env.action_timeout_s, config.env.db.query_timeout_s = 5.0, 1.0
     return config.env
 
 

@@ -16,7 +16,7 @@ from services.envs.db import make_env
 from services.envs.db.backends import Limits, MariaDBServer, SQLiteDB
 from services.envs.db.tasks import Table
 from services.envs.host import EnvHost
-from shared.config import EnvConfig
+from shared.config import DBTaskConfig, EnvConfig
 from shared.envapi import EnvClient
 from tests.test_env_db import need_sources
 
@@ -63,7 +63,7 @@ def gone(server: MariaDBServer, name: str, wait_s: float = 10.0) -> bool:
 
 
 def test_agentbench_dev_gold_and_perturbed_on_mariadb(server, agentbench: Path) -> None:
-    env = make_env(EnvConfig(db_server=SERVER, db_agentbench_file=str(agentbench / "dbbench" / "dev.jsonl")))
+    env = make_env(EnvConfig(db=DBTaskConfig(server=SERVER, agentbench_file=str(agentbench / "dbbench" / "dev.jsonl"))))
     try:
         ids = env.task_ids("dev")
         assert len(ids) == 60
@@ -95,7 +95,7 @@ def test_agentbench_dev_gold_and_perturbed_on_mariadb(server, agentbench: Path) 
 
 def test_generated_tasks_grade_alike_on_both_backends(server) -> None:
     need_sources()
-    env = make_env(EnvConfig(db_server=SERVER, num_train_tasks=60, num_test_tasks=12))
+    env = make_env(EnvConfig(num_train_tasks=60, num_test_tasks=12, db=DBTaskConfig(server=SERVER)))
     lite = make_env(EnvConfig(num_train_tasks=60, num_test_tasks=12))
     try:
         for split in ("train", "test"):
@@ -190,8 +190,8 @@ def test_reap_drops_what_a_dead_replica_left(server) -> None:
 
 async def test_served_over_nats_on_mariadb(server, config, subjects, nc) -> None:
     need_sources()
-    config.env.db_server, config.env.num_train_tasks, config.env.num_test_tasks = SERVER, 12, 3
-    config.env.db_query_timeout_s, config.env.action_timeout_s = 1.0, 5.0
+    config.env.db.server, config.env.num_train_tasks, config.env.num_test_tasks = SERVER, 12, 3
+    config.env.db.query_timeout_s, config.env.action_timeout_s = 1.0, 5.0
     env = make_env(config.env)
     host = EnvHost(env, config.env, subjects, "db-m1")
     service = await host.serve(nc, nc.jetstream())

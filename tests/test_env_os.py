@@ -31,7 +31,7 @@ from services.envs.os_task.tasks import (
     generate_split,
     parse_agentbench,
 )
-from shared.config import EnvConfig
+from shared.config import EnvConfig, OSTaskConfig
 from shared.envapi import EnvClient, EnvError
 
 ALL_COMMANDS = ("bwrap", "mmdebstrap", "unshare", "mount")
@@ -48,8 +48,8 @@ def sandbox_missing() -> str | None:
 def env() -> OSEnv:
     if reason := sandbox_missing():
         pytest.skip(reason)
-    cfg = EnvConfig(task="os", num_train_tasks=6, num_test_tasks=6, os_command_timeout_s=3.0, os_disk_mb=64,
-                    os_memory_mb=256)
+    cfg = EnvConfig(task="os", num_train_tasks=6, num_test_tasks=6,
+                    os=OSTaskConfig(command_timeout_s=3.0, disk_mb=64, memory_mb=256))
     env = OSEnv(cfg)
     env.rootfs("default")  # built once (mmdebstrap, ~30 s-2 min) and cached, as `make setup-os` does
     yield env
@@ -214,7 +214,8 @@ def test_agentbench_training_tasks_init_gold_check(agentbench: Path) -> None:
     if reason := sandbox_missing():
         pytest.skip(reason)
     path = agentbench / "os_interaction" / "train_0317" / "training.json"
-    env = OSEnv(EnvConfig(task="os", num_train_tasks=0, num_test_tasks=0, os_agentbench_train=[str(path)]))
+    env = OSEnv(EnvConfig(task="os", num_train_tasks=0, num_test_tasks=0,
+                          os=OSTaskConfig(agentbench_train=[str(path)])))
     ids = env.task_ids("train")
     assert len(ids) == 1000 and not env.skipped
     sample = ids[::67]
@@ -246,7 +247,7 @@ def test_agentbench_dev_tasks_with_start_and_match(agentbench: Path) -> None:
     if reason := sandbox_missing():
         pytest.skip(reason)
     env = OSEnv(EnvConfig(task="os", num_train_tasks=0, num_test_tasks=0,
-                          os_agentbench_test=[str(agentbench / "os_interaction" / "data" / "dev.json")]))
+                          os=OSTaskConfig(agentbench_test=[str(agentbench / "os_interaction" / "data" / "dev.json")])))
     assert len(env.task_ids("test")) == 23 and all("not available" in r for r in env.skipped.values())
     with ThreadPoolExecutor(4) as pool:
         rewards = list(pool.map(lambda t: solve(env, t, "test"), env.task_ids("test")))
@@ -274,7 +275,7 @@ def test_replaying_the_action_log_on_a_new_replica_rebuilds_the_session(env: OSE
 
 
 def test_packages_variant_has_npm(env: OSEnv) -> None:
-    if not (rootfs_path(env.cache_dir, "packages", env.cfg.os_suite, env.cfg.os_mirror) / ".jetrl-ready").exists():
+    if not (rootfs_path(env.cache_dir, "packages", env.cfg.os.suite, env.cfg.os.mirror) / ".jetrl-ready").exists():
         pytest.skip("the packages rootfs is not built (make setup-os-packages, a few minutes)")
     item = {"description": "Is npm installed?", "create": {"local": "packages"}, "evaluation": {
         "check": [None, {"language": "python", "file": "check/string-match.py"}],

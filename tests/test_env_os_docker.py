@@ -14,7 +14,7 @@ import pytest
 
 from services.envs.base import ToolCall
 from services.envs.os_task import OSEnv
-from shared.config import EnvConfig
+from shared.config import EnvConfig, OSTaskConfig
 
 
 def docker_client():  # noqa: ANN201
@@ -52,8 +52,8 @@ def env() -> OSEnv:
                 pytest.skip("no jetrl-os/default image and no mmdebstrap to build a rootfs to import")
             rootfs = OSEnv(EnvConfig(task="os", num_train_tasks=0, num_test_tasks=0)).rootfs("default")
             client.images.import_image(src=stream_tar(rootfs), repository=f"{prefix}/default")
-    env = OSEnv(EnvConfig(task="os", num_train_tasks=3, num_test_tasks=3, os_backend="docker",
-                          os_docker_prefix=prefix, os_command_timeout_s=3.0))
+    env = OSEnv(EnvConfig(task="os", num_train_tasks=3, num_test_tasks=3,
+                          os=OSTaskConfig(backend="docker", docker_prefix=prefix, command_timeout_s=3.0)))
     yield env
     env.close()
 

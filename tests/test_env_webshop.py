@@ -270,7 +270,7 @@ def test_oracle_solves_generated_goals_and_random_clicker_does_not(env) -> None:
 
 def test_pages_fit_the_observation_limit(env) -> None:
     """A results or item page is never cut by the host at the webshop limit."""
-    limit = EnvConfig().webshop_max_observation_chars
+    limit = EnvConfig().webshop.max_observation_chars
     longest = 0
     for t in env.task_ids("test")[::5]:
         ep = env.open(t, "test", 0)
@@ -335,7 +335,7 @@ def test_replay_of_an_action_log_rebuilds_the_state(env) -> None:
 async def test_served_over_nats_oracle_episodes_and_bad_actions(config, subjects, nc) -> None:
     config.env.num_train_tasks = 10
     env = make_env(config.env)
-    assert config.env.max_observation_chars == config.env.webshop_max_observation_chars
+    assert config.env.task_value("webshop", "max_observation_chars") == config.env.webshop.max_observation_chars
     host = EnvHost(env, config.env, subjects, "webshop-r1")
     service = await host.serve(nc, nc.jetstream())
     client = EnvClient(nc, subjects, "webshop", timeout_s=20)
@@ -378,7 +378,8 @@ async def test_served_over_nats_oracle_episodes_and_bad_actions(config, subjects
         # a huge search: the echo is cut and the page still comes back whole, within the limit
         step = await client.interact(rid, sid, call("search_action", {"keywords": huge}))
         content = step.messages[0]["content"]
-        assert not step.finish and "Total results: 50" in content and len(content) <= config.env.max_observation_chars
+        assert not step.finish and "Total results: 50" in content
+        assert len(content) <= config.env.webshop.max_observation_chars
         # a call past the time limit: a clear error, and the session goes on
         step = await client.interact(rid, sid, call("click_action", {"value": "back to search"}))
         config.env.action_timeout_s = 1e-6

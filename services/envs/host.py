@@ -201,8 +201,9 @@ class EnvHost:
                               messages=[tool_message], metrics=metrics))
 
     def _truncate(self, content: str) -> str:
-        """Every observation, error text included (it may echo a huge argument), within the limit."""
-        limit = self.cfg.max_observation_chars
+        """Every observation, error text included (it may echo a huge argument), within the limit
+        (the task's own where its section overrides env.max_observation_chars: webshop, alfworld)."""
+        limit = self.cfg.task_value(self.task, "max_observation_chars")
         if len(content) <= limit:
             return content
         return content[:limit] + f"\n[truncated: {len(content) - limit} more characters not shown]"

@@ -3,7 +3,7 @@ engine) on games generated offline (``gen.py``), with AgentBench's function-call
 
 * Tool: ``take_action(action)``, as AgentBench FC. The command is lower-cased, cut to its first line
   and, when it is not admissible, mapped to the admissible command with the best BLEU score (AgentBench's
-  ``process_action``; ``alfworld_snap_actions=false`` passes it to the engine as typed, which answers
+  ``process_action``; ``env.alfworld.snap_actions=false`` passes it to the engine as typed, which answers
   "Nothing happens."). Each observation ends with the admissible commands.
 * Grading (AgentBench): reward 1 when the engine reports ``won``; at most 20 rounds; the same action
   three times in a row ends the episode as ``invalid_action`` with reward 0.
@@ -130,15 +130,15 @@ class AlfworldEnv(TaskEnv):
     def __init__(self, cfg: EnvConfig) -> None:
         self.cfg = cfg
         self.root = gen.data_root(cfg.data_dir)
-        self.max_turns = cfg.alfworld_max_rounds
-        self.snap_actions = cfg.alfworld_snap_actions
+        self.max_turns = cfg.alfworld.max_rounds
+        self.snap_actions = cfg.alfworld.snap_actions
         self.catalogue = {split: gen.build_catalogue(split, n, cfg.data_dir, self.max_turns, log=self._log_build)
                           for split, n in (("train", cfg.num_train_tasks), ("test", cfg.num_test_tasks))}
         self.ids = {split: [t for tt in gen.TASK_TYPES for t in cat["tasks"][tt]]
                     for split, cat in self.catalogue.items()}
-        self.pool = EnginePool(max_procs=cfg.max_sessions + cfg.alfworld_pool_size,
-                               sas_cache=str(self.root / "sas"), recycle_after=cfg.alfworld_recycle_after,
-                               prefetch=cfg.alfworld_prefetch, step_timeout_s=0.9 * cfg.action_timeout_s)
+        self.pool = EnginePool(max_procs=cfg.max_sessions + cfg.alfworld.pool_size,
+                               sas_cache=str(self.root / "sas"), recycle_after=cfg.alfworld.recycle_after,
+                               prefetch=cfg.alfworld.prefetch, step_timeout_s=0.9 * cfg.action_timeout_s)
 
     @staticmethod
     def _log_build(**kv: Any) -> None:
@@ -203,5 +203,4 @@ def agentbench_task_ids(train_valid: Path) -> dict[str, list[str]]:
 
 
 def make_env(cfg: EnvConfig) -> AlfworldEnv:
-    cfg.max_observation_chars = cfg.alfworld_max_observation_chars  # as webshop: the host reads this config
     return AlfworldEnv(cfg)

@@ -5,7 +5,7 @@ raw result (``str`` of the row tuples, cut at the observation limit with the cut
 come back as observations); ``commit_final_answer(answers)`` ends the episode and grades it.
 
 Splits: ``train`` / ``test`` are generated (``generate.py``); ``dev`` is AgentBench's dbbench jsonl
-when ``db_agentbench_file`` names one. Gold given by the data is used as is; generated tasks get theirs
+when ``env.db.agentbench_file`` names one. Gold given by the data is used as is; generated tasks get theirs
 by running the reference SQL on the episode's own database at open (a SELECT, or a DML statement
 inside a transaction that is rolled back), so SQLite and MariaDB each grade by their own rendering.
 """
@@ -116,23 +116,24 @@ class DBEnv(TaskEnv):
     def __init__(self, cfg: EnvConfig) -> None:
         self.cfg = cfg
         # a statement must end (or be killed, +1 s) before the host stops waiting for the tool call
-        timeout_s = min(cfg.db_query_timeout_s, max(0.5, cfg.action_timeout_s - 2.0))
-        if timeout_s < cfg.db_query_timeout_s:
-            log.warning("db_query_timeout_clamped", db_query_timeout_s=cfg.db_query_timeout_s, used=timeout_s,
+        timeout_s = min(cfg.db.query_timeout_s, max(0.5, cfg.action_timeout_s - 2.0))
+        if timeout_s < cfg.db.query_timeout_s:
+            log.warning("db_query_timeout_clamped", query_timeout_s=cfg.db.query_timeout_s, used=timeout_s,
                         action_timeout_s=cfg.action_timeout_s)
-        self.limits = Limits(timeout_s=timeout_s, max_rows=cfg.db_max_rows, max_chars=cfg.max_observation_chars)
-        self.server = MariaDBServer(cfg.db_server, self.limits) if cfg.db_server else None
+        self.limits = Limits(timeout_s=timeout_s, max_rows=cfg.db.max_rows,
+                             max_chars=cfg.task_value("db", "max_observation_chars"))
+        self.server = MariaDBServer(cfg.db.server, self.limits) if cfg.db.server else None
         if self.server is not None:
             reaped = self.server.reap(older_than_s=max(3 * cfg.session_timeout_s, 3600.0))
             log.info("db_server_ready", version=self.server.version, reaped=reaped)
         self.dev: dict[str, Task] = {}
-        if cfg.db_agentbench_file:
-            self.dev = {t.task_id: t for t in load_agentbench(Path(cfg.db_agentbench_file))}
+        if cfg.db.agentbench_file:
+            self.dev = {t.task_id: t for t in load_agentbench(Path(cfg.db.agentbench_file))}
         self.counts = {"train": cfg.num_train_tasks, "test": cfg.num_test_tasks}
-        unknown = set(cfg.db_levels) - {1, 2, 3}
-        if unknown or not cfg.db_levels:
-            raise ValueError(f"db_levels must be a non-empty subset of [1, 2, 3], got {cfg.db_levels}")
-        self.levels = frozenset(cfg.db_levels)
+        unknown = set(cfg.db.levels) - {1, 2, 3}
+        if unknown or not cfg.db.levels:
+            raise ValueError(f"env.db.levels must be a non-empty subset of [1, 2, 3], got {cfg.db.levels}")
+        self.levels = frozenset(cfg.db.levels)
         self._cache: dict[str, Task] = {}
         self._gold: dict[tuple[str, str], Any] = {}
         self._lock = threading.Lock()

@@ -284,7 +284,7 @@ class KGEnv(TaskEnv):
         t0 = time.perf_counter()
         self.cfg = cfg
         self.graph = graph or open_graph(cfg.data_dir)
-        self.kb = KB(self.graph, result_cap=cfg.kg_result_cap, timeout_s=cfg.kg_query_timeout_s)
+        self.kb = KB(self.graph, result_cap=cfg.kg.result_cap, timeout_s=cfg.kg.query_timeout_s)
         self.tasks = {"train": self._task_set("train", cfg.num_train_tasks),
                       "test": self._task_set("test", cfg.num_test_tasks)}
         self.by_id = {split: {t["qid"]: t for t in tasks} for split, tasks in self.tasks.items()}
@@ -294,7 +294,7 @@ class KGEnv(TaskEnv):
     def _task_set(self, split: str, size: int) -> list[dict[str, Any]]:
         """``size`` questions, a third per level, generated once per (graph, generator, split, size,
         seed) and cached beside the graph."""
-        seed = self.cfg.kg_seed
+        seed = self.cfg.kg.seed
         path = self.graph.path / f"tasks-g{GENERATOR_VERSION}-{split}-{size}-s{seed}.json"
         if path.is_file():
             return load_agentbench(path)

@@ -77,7 +77,7 @@ class OSEpisode(Episode):
         self.task, self.sandbox, self.cfg = task, sandbox, cfg
         # One command at a time even if the host gave up waiting on the last one (its thread runs on).
         self._lock = threading.Lock()
-        self.command_timeout = max(1.0, min(cfg.os_command_timeout_s, cfg.action_timeout_s - 2.0))
+        self.command_timeout = max(1.0, min(cfg.os.command_timeout_s, cfg.action_timeout_s - 2.0))
         self.gold: str | None = None
         self.last_output: str | None = None
         self.example_output: str | None = None
@@ -148,7 +148,7 @@ class OSEpisode(Episode):
             self.metrics["timeouts"] += 1
             notes.append(f"[The command ran longer than the {self.command_timeout:g}s limit and was stopped.]")
         if res.get("crowded"):
-            notes.append(f"[Too many processes (limit {self.cfg.os_pids}): the processes this command started "
+            notes.append(f"[Too many processes (limit {self.cfg.os.pids}): the processes this command started "
                          "were ended.]")
         if res.get("restarted"):
             self.metrics["shell_restarts"] += 1
@@ -163,7 +163,7 @@ class OSEpisode(Episode):
         if not output and not notes:
             return "The output of the OS is empty."
         head = "The output of the OS:\n\n"
-        budget = self.cfg.max_observation_chars - len(head) - len(tail)
+        budget = self.cfg.task_value("os", "max_observation_chars") - len(head) - len(tail)
         if len(output) > budget or total_bytes > len(output.encode()):
             shown_note = "\n[truncated because the output is too long: the first {} of {} characters are shown]"
             total = max(total_bytes, len(output))
@@ -214,13 +214,13 @@ class OSEnv(TaskEnv):
     def __init__(self, cfg: EnvConfig) -> None:
         self.cfg = cfg
         self.cache_dir = Path(cfg.data_dir or Path.home() / ".cache" / "jetrl" / "data").expanduser() / "os"
-        self.limits = Limits(memory_mb=cfg.os_memory_mb, pids=cfg.os_pids, disk_mb=cfg.os_disk_mb, cpus=cfg.os_cpus)
+        self.limits = Limits(memory_mb=cfg.os.memory_mb, pids=cfg.os.pids, disk_mb=cfg.os.disk_mb, cpus=cfg.os.cpus)
         self.tasks: dict[str, dict[str, OSTask]] = {"train": {}, "test": {}}
         self.skipped: dict[str, str] = {}
         train = generate_split("train", cfg.num_train_tasks)
         test = generate_split("test", cfg.num_test_tasks, exclude={content_key(t) for t in train})
-        for split, generated, files in (("train", train, cfg.os_agentbench_train),
-                                        ("test", test, cfg.os_agentbench_test)):
+        for split, generated, files in (("train", train, cfg.os.agentbench_train),
+                                        ("test", test, cfg.os.agentbench_test)):
             self.tasks[split].update((t.task_id, t) for t in generated)
             for f in files:
                 loaded, skipped = load_agentbench(Path(f).expanduser())
@@ -232,7 +232,7 @@ class OSEnv(TaskEnv):
         self._rootfs_lock = threading.Lock()
         self._open: weakref.WeakSet[Sandbox] = weakref.WeakSet()
         self.run_dir = self.cache_dir / "run" / str(os.getpid())
-        if cfg.os_backend == "bwrap":
+        if cfg.os.backend == "bwrap":
             sweep_stale(self.run_dir.parent)
 
     def task_ids(self, split: str) -> list[str]:
@@ -241,16 +241,16 @@ class OSEnv(TaskEnv):
     def rootfs(self, variant: str) -> Path:
         with self._rootfs_lock:
             if variant not in self._rootfs:
-                self._rootfs[variant] = ensure_rootfs(self.cache_dir, variant, self.cfg.os_suite, self.cfg.os_mirror)
+                self._rootfs[variant] = ensure_rootfs(self.cache_dir, variant, self.cfg.os.suite, self.cfg.os.mirror)
             return self._rootfs[variant]
 
     def sandbox(self, variant: str = "default") -> Sandbox:
-        if self.cfg.os_backend == "docker":
-            box: Sandbox = DockerSandbox(f"{self.cfg.os_docker_prefix}/{variant}", self.limits)
-        elif self.cfg.os_backend == "bwrap":
+        if self.cfg.os.backend == "docker":
+            box: Sandbox = DockerSandbox(f"{self.cfg.os.docker_prefix}/{variant}", self.limits)
+        elif self.cfg.os.backend == "bwrap":
             box = BwrapSandbox(self.rootfs(variant), self.limits, self.run_dir)
         else:
-            raise ValueError(f"unknown env.os_backend {self.cfg.os_backend!r}: bwrap | docker")
+            raise ValueError(f"unknown env.os.backend {self.cfg.os.backend!r}: bwrap | docker")
         self._open.add(box)
         return box
 

@@ -322,7 +322,7 @@ class BwrapSandbox(PipeSandbox):
             raise SandboxError("bubblewrap is not installed (apt-get install bubblewrap); run `make setup-os`")
         if os.geteuid() != 0:  # the overlay is mounted in a private mount namespace: CAP_SYS_ADMIN
             raise SandboxError("the bwrap backend runs as root (it mounts an overlay per episode); "
-                               "use env.os_backend=docker otherwise")
+                               "use env.os.backend=docker otherwise")
         self.hostname = hostname
         self.name = f"ep-{uuid.uuid4().hex[:12]}"
         run_dir.mkdir(parents=True, exist_ok=True)

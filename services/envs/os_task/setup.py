@@ -14,10 +14,10 @@ def main(argv: list[str]) -> None:
     cfg, (what,) = from_argv(argv, positional=1)
     env = cfg.env
     if what == "docker":
-        print("\n".join(build_docker_images(env.os_docker_prefix)))
+        print("\n".join(build_docker_images(env.os.docker_prefix)))
         return
     cache = Path(env.data_dir or Path.home() / ".cache" / "jetrl" / "data").expanduser() / "os"
-    print(ensure_rootfs(cache, what, env.os_suite, env.os_mirror))
+    print(ensure_rootfs(cache, what, env.os.suite, env.os.mirror))
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ log = structlog.get_logger()
 
 NUM_TEST_GOALS = 200  # frozen, whatever the config says
 # Test targets come from the first 4000 families (~18k products), which the generator makes the same
-# way for any catalogue at least that big: the test goals do not move with webshop_num_products.
+# way for any catalogue at least that big: the test goals do not move with env.webshop.num_products.
 TEST_FAMILY_SPAN = 4000
 
 
@@ -82,10 +82,9 @@ class WebShopEnv(TaskEnv):
 
 
 def make_env(cfg: EnvConfig) -> WebShopEnv:
-    # A results page (10 titles, prices and the clickables) is ~1.5k characters; the shared default
-    # limit would cut it in half, so this task brings its own.
-    cfg.max_observation_chars = cfg.webshop_max_observation_chars
-    catalog = open_catalog(cfg.data_dir, cfg.webshop_num_products)
+    # A results page (10 titles, prices and the clickables) is ~1.5k characters: the host cuts
+    # observations at env.webshop.max_observation_chars, which overrides the shared default.
+    catalog = open_catalog(cfg.data_dir, cfg.webshop.num_products)
     env = WebShopEnv(catalog, cfg.num_train_tasks)
     log.info("webshop_ready", products=catalog.num_products, catalog=str(catalog.path),
              train=len(env.goals["train"]), test=len(env.goals["test"]))

@@ -1,4 +1,4 @@
-"""Build the catalogue once: ``python -m services.envs.webshop [--env.data_dir=D] [--env.webshop_num_products=N]``."""
+"""Build the catalogue once: ``python -m services.envs.webshop [--env.data_dir=D] [--env.webshop.num_products=N]``."""
 
 import json
 import sys
@@ -7,4 +7,4 @@ from services.envs.webshop.catalog import build, catalog_path
 from shared.config import from_argv
 
 cfg, _ = from_argv(sys.argv[1:])
-print(json.dumps(build(catalog_path(cfg.env.data_dir, cfg.env.webshop_num_products), cfg.env.webshop_num_products)))
+print(json.dumps(build(catalog_path(cfg.env.data_dir, cfg.env.webshop.num_products), cfg.env.webshop.num_products)))
