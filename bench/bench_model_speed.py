@@ -3,7 +3,7 @@
     python bench/bench_model_speed.py [--model smollm2|tiny] [--hidden 256 --layers 4] [--dtype float32|bfloat16]
 
 * ``train``: forward + backward + AdamW on one row of ``--tokens`` tokens, full logits (3 repeats);
-* ``trainer``: the trainer's own ``token_logprobs`` (LM head on the last 100 positions of each row)
+* ``trainer``: the padded scoring path (bench/bench_trainer.py's baseline) (LM head on the last 100 positions of each row)
   forward and backward on ``--rows`` rows (4 repeats, the first is warm-up);
 * ``sample``: 48 new tokens after a 600-token prompt at batch 1 and 8 (HF ``generate``).
 Medians are printed; bf16 runs under CPU autocast.
@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from services.trainer.trainer import token_logprobs
+from bench.bench_trainer import padded_logprobs as token_logprobs  # the padded path, before issue 14
 from shared.config import ModelConfig
 from shared.model import load_model, quiet_transformers, resolve_model
 

@@ -3,6 +3,7 @@
     jetrl up [--config FILE] [--rollouts N] [--section.key=value ...]
     jetrl sft [--config FILE] [...]     # warm start on oracle demonstrations -> <run>/model
     jetrl eval [--config FILE] [...]    # test split, greedy, per-task report -> <run>/eval.json
+    jetrl probe [--config FILE] [...]   # eval, greedy and sampled, per task / level / kind
     jetrl watch [--run-dir DIR | --url NATS_URL --prefix P] [--task T] [--events]
     jetrl status [--run-dir DIR]
     jetrl config [--task T]   # every config key with its default and help; with a task, only
@@ -136,6 +137,8 @@ MODE_DEFAULTS = {
     # Demonstrations from each env's oracle, played through the same services; cross-entropy on them.
     "sft": ["rollout.engine=oracle", "trainer.mode=sft", "controller.group_size=1"],
     "eval": ["controller.mode=eval"],
+    # The policy as it stands: greedy and sampled, per task, level and kind, with well-formed-call rates.
+    "probe": ["controller.mode=eval", 'controller.eval_passes=["greedy", "sampled"]'],
 }
 
 
@@ -165,8 +168,9 @@ def cmd_up(args: argparse.Namespace, overrides: list[str], mode: str = "up") -> 
             sup.spawn(f"rollout-{i}", ["services.rollout"])
         for i in range(args.stale_engines):  # generation-only pool members on old weights (AgentRL)
             sup.spawn(f"stale-{i}", ["services.rollout"], ["--rollout.engine_kind=stale", "--rollout.serve_jobs=false"])
-        main_role = "controller" if mode == "eval" else "trainer"
-        if mode != "eval":
+        evaluating = mode in ("eval", "probe")
+        main_role = "controller" if evaluating else "trainer"
+        if not evaluating:
             sup.spawn("trainer", ["services.trainer"])
         sup.spawn("controller", ["services.controller"])
         print(f"jetrl {mode}: started {', '.join(sup.procs)}", flush=True)
@@ -181,7 +185,7 @@ def cmd_up(args: argparse.Namespace, overrides: list[str], mode: str = "up") -> 
         if stop.is_set():
             print(f"jetrl {mode}: interrupted, stopping services", flush=True)
             rc = 130
-        elif mode == "eval" and rc == 0:
+        elif evaluating and rc == 0:
             _print_eval(json.loads((run_dir / "eval.json").read_text()))
         elif mode == "sft" and rc == 0:
             print(f"jetrl sft: warm-start model in {run_dir / 'model'} (use --model.name={run_dir / 'model'})")
@@ -193,10 +197,21 @@ def cmd_up(args: argparse.Namespace, overrides: list[str], mode: str = "up") -> 
 
 
 def _print_eval(report: dict[str, Any]) -> None:
-    print(f"{'task':10s} {'tasks':>6s} {'success':>8s} {'reward':>7s} {'turns':>6s} {'invalid':>8s}")
-    for task, r in report.items():
-        print(f"{task:10s} {r['tasks']:6d} {r['success']:8.3f} {r['mean_reward']:7.3f} {r['mean_turns']:6.2f} "
-              f"{r['invalid_action_rate']:8.3f}")
+    """One table per pass: per task, then per level and kind within it."""
+    for name, by_task in report.items():
+        print(f"\n{name}: {'task':18s} {'episodes':>8s} {'success':>8s} {'95% CI':>13s} {'well-formed':>11s} "
+              f"{'turns':>6s}  {'pass@k' if name == 'sampled' else ''}")
+        for task, r in by_task.items():
+            lo, hi = r["success_ci95"]
+            pass_k = next((f"{k} {v:.3f}" for k, v in r.items() if k.startswith("pass@")), "")
+            print(f"{'':{len(name) + 2}s}{task:18s} {r['episodes']:8d} {r['success']:8.3f} [{lo:5.3f},{hi:5.3f}] "
+                  f"{r['well_formed_rate']:11.3f} {r['mean_turns']:6.2f}  {pass_k}")
+            for part in ("by_level", "by_kind"):
+                for key, b in r[part].items():
+                    if len(r[part]) > 1:
+                        label = f"  {part[3:]} {key}"
+                        print(f"{'':{len(name) + 2}s}{label:18s} {b['episodes']:8d} {b['success']:8.3f} {'':13s} "
+                              f"{b['well_formed_rate']:11.3f}")
 
 
 def _run_target(run_dir: str | None, url: str | None, prefix: str | None) -> tuple[str, str]:
@@ -276,7 +291,9 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     for name, text in (("up", "start NATS and every service; train; stop everything"),
                        ("sft", "warm start: supervised training on each env's oracle demonstrations"),
-                       ("eval", "run the test split of every task (greedy) and report per-task figures")):
+                       ("eval", "run the test split of every task (greedy) and report per-task figures"),
+                       ("probe", "eval greedy and sampled (k = controller.eval_samples): success and well-formed "
+                                 "tool calls per task, level and kind")):
         p = sub.add_parser(name, help=text)
         p.add_argument("--config", default=None)
         p.add_argument("--rollouts", type=int, default=2, help="rollout replicas")

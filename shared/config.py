@@ -95,6 +95,7 @@ class OSTaskConfig:
     cpus: float = opt(1.0, "CPU share of one episode's sandbox")
     agentbench_train: list[str] = opt([], "AgentBench OS task files (.json/.jsonl) added to the train split")
     agentbench_test: list[str] = opt([], "AgentBench OS task files (.json/.jsonl) added to the test split")
+    levels: list[int] = opt([], "difficulty levels the generated splits keep (1-3); empty = all")
 
 
 @dataclass
@@ -104,6 +105,7 @@ class KGTaskConfig:
     result_cap: int = opt(1000, "most entities one tool call may produce; a bigger step is refused")
     query_timeout_s: float = opt(3.0, "time limit of one SPARQL query (keep below env.action_timeout_s)")
     seed: int = opt(0, "seed of the question generator (task ids and splits follow from it)")
+    levels: list[int] = opt([], "levels the splits keep (1-3: two to four joins); empty = all")
 
 
 @dataclass
@@ -129,6 +131,7 @@ class WebShopTaskConfig:
     num_products: int = opt(52000, "products in the generated catalogue (built once, cached)")
     max_observation_chars: int = opt(2400, "overrides env.max_observation_chars: a results page is ~1.5k "
                                            "characters")
+    levels: list[int] = opt([], "goal difficulties the splits keep (1 easy, 2 medium, 3 hard); empty = all")
 
 
 @dataclass
@@ -277,8 +280,10 @@ class ControllerConfig:
     tasks: dict[str, float] = opt({"db": 1.0}, "task mix: task -> share of episodes")
     eval_split: str = opt("test", "eval: the split to run")
     eval_limit: int = opt(0, "eval: at most this many tasks per task type (0 = all)")
-    eval_samples: int = opt(1, "eval: attempts per task (k of pass@k); >1 samples at eval_temperature")
-    eval_temperature: float = opt(1.0, "eval: sampling temperature when eval_samples > 1 (1 sample = greedy)")
+    eval_passes: list[str] = opt(["greedy"], "eval: greedy (one attempt per task at temperature 0) and/or sampled "
+                                             "(eval_samples attempts at eval_temperature; pass@k)")
+    eval_samples: int = opt(4, "eval: attempts per task in the sampled pass (k of pass@k)")
+    eval_temperature: float = opt(1.0, "eval: sampling temperature of the sampled pass")
     group_size: int = opt(4, "episodes per group (same task instance), for group-relative advantages")
     max_inflight: int = opt(16, "at most this many episodes published and not yet finished")
     max_backlog: int = opt(256, "publishing pauses while this many finished trajectories wait for the trainer "
@@ -452,6 +457,8 @@ def validate(cfg: JetRLConfig) -> None:
         raise ConfigError("trainer.lora_rank must be >= 0 (0 = full fine-tuning)")
     if cfg.rollout.engine not in ("continuous", "hf", "vllm", "oracle"):
         raise ConfigError(f"rollout.engine must be continuous | hf | vllm | oracle, got {cfg.rollout.engine!r}")
+    if not cfg.controller.eval_passes or set(cfg.controller.eval_passes) - {"greedy", "sampled"}:
+        raise ConfigError(f"controller.eval_passes must list greedy and/or sampled, got {cfg.controller.eval_passes}")
     if cfg.rollout.tool_format not in ("json", "compact"):
         raise ConfigError(f"rollout.tool_format must be json | compact, got {cfg.rollout.tool_format!r}")
     if cfg.trainer.broadcast_dtype not in ("float32", "bfloat16"):

@@ -98,5 +98,12 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: tor
     """Log-probability of ``targets`` under ``softmax(logits / temperature)``; the one formula the engine
     (behaviour logprobs) and the trainer (current logprobs) both use."""
     if isinstance(temperature, torch.Tensor):
-        temperature = temperature[:, None]
-    return torch.log_softmax(logits / temperature, dim=-1).gather(-1, targets[:, None]).squeeze(-1)
+        if not bool((temperature != 1.0).any()):
+            temperature = 1.0
+        else:
+            temperature = temperature[:, None]
+    if not isinstance(temperature, torch.Tensor) and temperature == 1.0:
+        scaled = logits  # no copy of a [tokens, vocabulary] tensor for the common case
+    else:
+        scaled = logits / temperature
+    return torch.log_softmax(scaled, dim=-1).gather(-1, targets[:, None]).squeeze(-1)

@@ -105,6 +105,9 @@ class EnvStarted(Message, tag="env_started", kw_only=True):
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]]
     max_turns: int
+    level: int = 0
+    """The task's difficulty level (1 easy .. 3 hard; 0 = none) and kind, for per-level reports."""
+    task_kind: str = ""
 
 
 class EnvInteract(Message, tag="env_interact", kw_only=True):
@@ -227,6 +230,9 @@ class Trajectory(Message, tag="trajectory", kw_only=True):
     temperature: float = 1.0
     """Sampling temperature of the behaviour policy (the trainer scores tokens at the same one)."""
     created_at: float = msgspec.field(default_factory=now)
+    level: int = 0
+    """The task's level and kind as its env reports them (``EnvStarted``)."""
+    task_kind: str = ""
 
     def __post_init__(self) -> None:
         super().__post_init__()

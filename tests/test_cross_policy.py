@@ -10,9 +10,11 @@ import torch
 from services.envs.host import EnvHost
 from services.rollout.engine import HFEngine
 from services.rollout.worker import RolloutWorker
-from services.trainer.trainer import Group, Trainer, _pad, token_logprobs
+from services.trainer.packing import pack, packed_logprobs
+from services.trainer.trainer import Group, Trainer
 from shared.config import EnvConfig, ModelConfig
 from shared.envapi import EnvClient
+from shared.lm import PackedLM
 from shared.messages import EpisodeJob
 from shared.model import (
     bytes_to_weights,
@@ -22,6 +24,23 @@ from shared.model import (
     resolve_model,
     weights_to_bytes,
 )
+
+
+def scored(model, trajs) -> list[tuple[list[int], torch.Tensor, torch.Tensor]]:
+    """Per trajectory: its trained positions, their logprobs under ``model`` (the trainer's packed
+    path) and their behaviour logprobs."""
+    mb = pack([t.tokens for t in trajs], [t.loss_mask for t in trajs], list(range(len(trajs))))
+    with torch.no_grad():
+        lp = packed_logprobs(PackedLM(model), mb, torch.ones(mb.targets.numel()))
+    out = []
+    for t, part in zip(trajs, lp.split(mb.trained_per_traj), strict=True):
+        positions = [i for i in range(1, len(t.tokens)) if t.loss_mask[i]]
+        out.append((positions, part, torch.tensor([t.logprobs[i] for i in positions])))
+    return out
+
+
+def version_of(traj, position: int) -> int:
+    return next(turn.policy_version for turn in traj.turns if turn.start <= position < turn.end)
 
 
 class _Msg:
@@ -79,35 +98,26 @@ async def test_trajectory_mixes_two_engines_and_versions(nc, config, subjects, m
 
     # Each turn's behaviour logprobs are those of the engine and version that generated it.
     v0_model = load_model(model_path)
-    for traj in trajs:
-        ids, attn, mask, behaviour, temps = _pad([traj])
-        for version, model in ((0, v0_model), (1, v1_model)):
-            sel = torch.zeros_like(mask, dtype=torch.bool)
-            for turn in traj.turns:
-                if turn.policy_version == version:
-                    sel[0, turn.start:turn.end] = True
+    for version, model in ((0, v0_model), (1, v1_model)):
+        for traj, (positions, lp, behaviour) in zip(trajs, scored(model, trajs), strict=True):
+            sel = torch.tensor([version_of(traj, p) == version for p in positions])
             if sel.any():
-                with torch.no_grad():
-                    lp = token_logprobs(model, ids, attn, sel[:, 1:], temps)
-                assert lp.tolist() == pytest.approx(behaviour[0, 1:][sel[0, 1:]].tolist(), abs=2e-4)
+                assert lp[sel].tolist() == pytest.approx(behaviour[sel].tolist(), abs=2e-4)
 
     # The trainer (at version 1) consumes the mixed trajectories: staleness 1 on the old turns, and its
     # proximal logprobs equal the behaviour ones exactly where the turn came from version 1.
     trainer = Trainer(nc, nc.jetstream(), subjects, config.trainer, v1_model, tmp_path, "trainer-x")
     trainer.policy_version = 1
-    ids, attn, mask, behaviour, temps = _pad(trajs)
-    with torch.no_grad():
-        prox = token_logprobs(v1_model, ids, attn, mask[:, 1:].bool(), temps)
-    versions = torch.full_like(mask, -1)
-    for row, traj in enumerate(trajs):
-        for turn in traj.turns:
-            versions[row, turn.start:turn.end] = turn.policy_version
-    trained_versions = versions[:, 1:][mask[:, 1:].bool()]
-    behav = behaviour[:, 1:][mask[:, 1:].bool()]
+    prox, behav, versions = [], [], []
+    for traj, (positions, lp, behaviour) in zip(trajs, scored(v1_model, trajs), strict=True):
+        prox.append(lp)
+        behav.append(behaviour)
+        versions += [version_of(traj, p) for p in positions]
+    prox, behav, trained_versions = torch.cat(prox), torch.cat(behav), torch.tensor(versions)
     assert torch.allclose(prox[trained_versions == 1], behav[trained_versions == 1], atol=2e-4)
     assert not torch.allclose(prox[trained_versions == 0], behav[trained_versions == 0], atol=1e-2)
     group = Group("gx", 2)
     for t in trajs:
         group.items[t.episode_id] = (t, _Msg())
     stats = await trainer.train_step([group])
-    assert stats["train/staleness_max"] == 1.0 and stats["train/tokens"] == float(int(mask[:, 1:].sum()))
+    assert stats["train/staleness_max"] == 1.0 and stats["train/tokens"] == float(len(trained_versions))

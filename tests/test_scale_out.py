@@ -93,7 +93,7 @@ def test_backends_are_chosen_by_config() -> None:
                                  "rollout.device=cuda", "trainer.broadcast_dtype=bfloat16"], environ={})
     assert (cfg.rollout.engine, cfg.trainer.backend, cfg.trainer.zero_stage) == ("vllm", "deepspeed", 3)
     defaults = load_config(environ={})
-    assert (defaults.rollout.engine, defaults.trainer.backend, defaults.rollout.device) == ("hf", "torch", "cpu")
+    assert (defaults.rollout.engine, defaults.trainer.backend, defaults.rollout.device) == ("continuous", "torch", "cpu")
     with pytest.raises(ConfigError):
         load_config(overrides=["trainer.zero_stage=two"], environ={})
 

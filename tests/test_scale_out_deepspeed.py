@@ -23,8 +23,10 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run as a script by torchrun, too
 
-from services.trainer.trainer import Trainer, _pad, token_logprobs  # noqa: E402
+from services.trainer.packing import pack, packed_logprobs  # noqa: E402
+from services.trainer.trainer import Trainer  # noqa: E402
 from shared.config import JetRLConfig, ModelConfig, TrainerConfig  # noqa: E402
+from shared.lm import PackedLM  # noqa: E402
 from shared.messages import EpisodeStatus, Trajectory, TurnInfo  # noqa: E402
 from shared.model import load_model, quiet_transformers, resolve_model, weights_to_bytes  # noqa: E402
 from shared.subjects import Subjects  # noqa: E402
@@ -59,8 +61,8 @@ def fixed_batch(model: torch.nn.Module, groups: int = 3, group_size: int = 4) ->
                 status=EpisodeStatus.COMPLETED, replica_id="r"))
     with torch.no_grad():
         for t in trajs:
-            ids, attn, mask, _, temps = _pad([t])
-            lp = token_logprobs(model, ids, attn, mask[:, 1:].bool(), temps)
+            mb = pack([t.tokens], [t.loss_mask], [0])
+            lp = packed_logprobs(PackedLM(model), mb, torch.ones(mb.targets.numel()))
             noise = 0.05 * torch.randn(lp.shape, generator=gen)
             t.logprobs = [0.0] * t.prompt_len + (lp + noise).tolist()
     return trajs

@@ -29,6 +29,7 @@ from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
 
+from services.controller.report import eval_report
 from shared.bus import decode_or_dead_letter
 from shared.config import JetRLConfig
 from shared.envapi import EnvClient, EnvError
@@ -84,6 +85,8 @@ class Controller:
         self.duplicates = 0
         self.lost = 0
         self.policy_version = 0
+        self.trainer_step = 0
+        self.eval_results: dict[str, dict[str, list[Trajectory]]] = {}
         self.latest_metrics: dict[str, MetricsReport] = {}
         self.started_at = time.time()
         self.state = "starting"
@@ -145,41 +148,46 @@ class Controller:
         self.state = "finished" if self.training_done else "stopped"
 
     async def run_eval(self, stop: asyncio.Event) -> dict[str, Any]:
-        """Each task of the eval split once (greedy) or ``eval_samples`` times (sampled, for pass@k);
-        waits for every trajectory and returns (and writes) the per-task report."""
+        """Every task of the eval split, once per pass: ``greedy`` (one attempt at temperature 0) and/or
+        ``sampled`` (``eval_samples`` attempts at ``eval_temperature``, for pass@k); waits for every
+        trajectory and returns the report (``services/controller/report.py``)."""
         c = self.cfg.controller
         self.state = "evaluating"
-        samples = max(1, c.eval_samples)
-        temperature = 0.0 if samples == 1 else c.eval_temperature
-        self.eval_results: dict[str, list[Trajectory]] = defaultdict(list)
-        expected = 0
+        samples = {"greedy": 1, "sampled": max(1, c.eval_samples)}
+        temperature = {"greedy": 0.0, "sampled": c.eval_temperature}
+        self.eval_results = {name: defaultdict(list) for name in c.eval_passes}
+        ids = {}
         for task, share in c.tasks.items():
-            if share <= 0:
-                continue
-            ids = await EnvClient(self.nc, self.subjects, task, timeout_s=10.0).task_ids(c.eval_split)
-            for task_id in ids[: c.eval_limit or None]:
-                group_id = f"eval-{task}-{task_id}-{uuid.uuid4().hex[:6]}"
-                for i in range(samples):
-                    while len(self.inflight) >= max(c.max_inflight, 1) and not stop.is_set():
-                        self._capacity.clear()
-                        try:
-                            await asyncio.wait_for(self._capacity.wait(), timeout=1.0)
-                        except TimeoutError:
-                            pass
-                    job = EpisodeJob(episode_id=f"{group_id}-{i}", group_id=group_id, task=task, task_id=task_id,
-                                     split=c.eval_split, group_size=samples, temperature=temperature,
-                                     max_new_tokens=self.cfg.rollout.max_new_tokens)
-                    await self.js.publish(self.subjects.jobs(task), encode(job),
-                                          headers={"Nats-Msg-Id": job.episode_id})
-                    self.inflight[job.episode_id] = time.time()
-                    self.books[task].published += 1
-                    expected += 1
+            if share > 0:
+                all_ids = await EnvClient(self.nc, self.subjects, task, timeout_s=10.0).task_ids(c.eval_split)
+                ids[task] = all_ids[: c.eval_limit or None]
+        for name in c.eval_passes:
+            for task, task_ids in ids.items():
+                for task_id in task_ids:
+                    group_id = f"eval-{name}-{task}-{task_id}-{uuid.uuid4().hex[:6]}"
+                    for i in range(samples[name]):
+                        await self._wait_for_capacity(stop)
+                        job = EpisodeJob(episode_id=f"{group_id}-{i}", group_id=group_id, task=task, task_id=task_id,
+                                         split=c.eval_split, group_size=samples[name],
+                                         temperature=temperature[name], max_new_tokens=self.cfg.rollout.max_new_tokens)
+                        await self.js.publish(self.subjects.jobs(task), encode(job),
+                                              headers={"Nats-Msg-Id": job.episode_id})
+                        self.inflight[job.episode_id] = time.time()
+                        self.books[task].published += 1
         while len(self.inflight) and not stop.is_set():
             await asyncio.sleep(0.5)
         report = eval_report(self.eval_results, samples)
         self.state = "finished"
         await self.nc.publish(self.subjects.run_control, encode(RunControl(event="eval_finished", info=report)))
         return report
+
+    async def _wait_for_capacity(self, stop: asyncio.Event) -> None:
+        while len(self.inflight) >= max(self.cfg.controller.max_inflight, 1) and not stop.is_set():
+            self._capacity.clear()
+            try:
+                await asyncio.wait_for(self._capacity.wait(), timeout=1.0)
+            except TimeoutError:
+                pass
 
     @property
     def backlog_bound(self) -> float:
@@ -225,7 +233,7 @@ class Controller:
 
     @property
     def training_done(self) -> bool:
-        return self.policy_version >= self.cfg.trainer.steps
+        return max(self.policy_version, self.trainer_step) >= self.cfg.trainer.steps
 
     # ------------------------------------------------------------------ lifecycle and metrics
     async def track_trajectories(self) -> None:
@@ -256,8 +264,10 @@ class Controller:
         book.successes += int(traj.success)
         book.reward_sum += traj.reward
         book.recent.append(1.0 if traj.success else 0.0)
-        if traj.group_id.startswith("eval-") and hasattr(self, "eval_results"):
-            self.eval_results[traj.task].append(traj)
+        if traj.group_id.startswith("eval-"):
+            name = traj.group_id.split("-")[1]  # eval-<pass>-<task>-...
+            if name in self.eval_results:
+                self.eval_results[name][traj.task].append(traj)
         self._capacity.set()
 
     async def follow_metrics_and_weights(self) -> None:
@@ -268,6 +278,9 @@ class Controller:
                 log.warning("bad_metrics", reason=exc.reason)
                 return
             self.latest_metrics[f"{report.role}/{report.replica_id}"] = report
+            if report.role == "trainer":  # an SFT trainer publishes no weights; its steps still count
+                self.trainer_step = max(self.trainer_step, report.step)
+                self._capacity.set()
 
         async def on_weights(msg: Any) -> None:
             try:
@@ -323,23 +336,3 @@ class Controller:
             "uptime_s": round(time.time() - self.started_at, 1), "tasks": tasks,
             "trainer": next(iter(trainer.values()), {}), "replicas": self.replicas,
         }
-
-
-def eval_report(results: dict[str, list[Trajectory]], samples: int) -> dict[str, Any]:
-    """Per task: success rate (mean over attempts), pass@k, mean reward, turns, invalid-action rate."""
-    report: dict[str, Any] = {}
-    for task, trajs in sorted(results.items()):
-        turns = sum(len(t.turns) for t in trajs)
-        by_task_id: dict[str, list[Trajectory]] = defaultdict(list)
-        for t in trajs:
-            by_task_id[t.task_id].append(t)
-        report[task] = {
-            "episodes": len(trajs), "tasks": len(by_task_id),
-            "success": sum(t.success for t in trajs) / len(trajs),
-            f"pass@{samples}": sum(any(t.success for t in ts) for ts in by_task_id.values()) / len(by_task_id),
-            "mean_reward": sum(t.reward for t in trajs) / len(trajs),
-            "mean_turns": turns / len(trajs),
-            "invalid_action_rate": sum(t.metrics.get("invalid_actions", 0.0) for t in trajs) / max(turns, 1),
-            "statuses": {s: sum(t.status == s for t in trajs) for s in sorted({t.status for t in trajs})},
-        }
-    return report

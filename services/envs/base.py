@@ -69,8 +69,21 @@ class Episode(ABC):
         return ToolResult(content="Turn limit reached.", finish=True, reward=0.0, status="task_limit_reached")
 
 
+@dataclass
+class TaskLevel:
+    """How hard a task is (1 easy .. 3 hard, 0 = not graded by level) and what kind it is (a task type,
+    a question shape, a command family): the breakdowns of the eval report."""
+
+    level: int = 0
+    kind: str = ""
+
+
 class TaskEnv(ABC):
     name: str = ""
+
+    def task_level(self, task_id: str, split: str) -> TaskLevel:
+        """Level and kind of one task (for reports). Raise KeyError for an unknown task."""
+        return TaskLevel()
 
     @abstractmethod
     def task_ids(self, split: str) -> list[str]:

@@ -169,8 +169,10 @@ class EnvHost:
         self.sessions[req.session_id] = Session(req.session_id, req.task_id, episode)
         self.sessions_started += 1
         log.info("session_started", task=self.task, session_id=req.session_id, task_id=req.task_id)
+        level = self.env.task_level(req.task_id, req.split)
         return encode(EnvStarted(session_id=req.session_id, replica_id=self.replica_id,
-                                 messages=episode.opening(), tools=episode.tools, max_turns=episode.max_turns))
+                                 messages=episode.opening(), tools=episode.tools, max_turns=episode.max_turns,
+                                 level=level.level, task_kind=level.kind))
 
     def _session(self, session_id: str) -> Session:
         session = self.sessions.get(session_id)

@@ -290,7 +290,10 @@ class ContinuousEngine(QueuedEngine):
         temps = torch.tensor([r.req.temperature if r.req.temperature > 0 else 1.0 for r, _ in sampling])
         logp = torch.log_softmax(logits / temps[:, None], dim=-1)
         greedy = torch.tensor([r.req.temperature <= 0 for r, _ in sampling])
-        drawn = torch.multinomial(logp.exp(), 1, generator=self.generator).squeeze(-1)
+        # inverse-CDF sampling: one uniform per row (torch.multinomial costs ~1 ms a row over 49k tokens)
+        cdf = logp.exp().cumsum(-1)
+        u = torch.rand((len(sampling), 1), generator=self.generator) * cdf[:, -1:]
+        drawn = torch.searchsorted(cdf, u).squeeze(-1).clamp(max=logits.shape[-1] - 1)
         tokens = torch.where(greedy, logits.argmax(-1), drawn)
         token_lp = logp.gather(-1, tokens[:, None]).squeeze(-1)
         for (r, _), tok, lp in zip(sampling, tokens.tolist(), token_lp.tolist(), strict=True):

@@ -171,8 +171,8 @@ class RolloutWorker:
         opening = await env.start(session_id, job.task_id, job.split, seed=zlib.crc32(job.episode_id.encode()),
                                   timeout_s=self.cfg.env_start_timeout_s)
         buf = EpisodeBuffer()
-        buf.add(self.tokenizer.encode(render_opening(opening.messages, opening.tools, self.cfg.tool_format), add_special_tokens=False),
-                None, trainable=False)
+        opening_text = render_opening(opening.messages, opening.tools, self.cfg.tool_format)
+        buf.add(self.tokenizer.encode(opening_text, add_special_tokens=False), None, trainable=False)
         prompt_len = len(buf.tokens)
         reward, status, metrics = 0.0, EpisodeStatus.RUNNING, {}
         closed = False  # the env session ended (finish, cancel); otherwise we cancel it on the way out
@@ -220,6 +220,7 @@ class RolloutWorker:
             group_size=job.group_size, tokens=buf.tokens, logprobs=buf.logprobs, loss_mask=buf.loss_mask,
             prompt_len=prompt_len, turns=buf.turns, reward=reward, status=status, replica_id=self.replica_id,
             metrics=dict(metrics, duration_s=time.monotonic() - started), temperature=job.temperature,
+            level=opening.level, task_kind=opening.task_kind,
         )
         await self._publish_trajectory(traj)
         return traj

@@ -188,7 +188,8 @@ class Trainer:
         stats = await asyncio.to_thread(self._optimise, trajs)
         self.step += 1
         self.policy_version = self.step
-        publish_s = await self.publish_weights()
+        # SFT plays the envs' oracles: no engine reads the weights until the run's model is exported
+        publish_s = await self.publish_weights() if self.cfg.mode == "rl" else 0.0
         if self.cfg.checkpoint_every and self.step % self.cfg.checkpoint_every == 0 or self.step == self.cfg.steps:
             await asyncio.to_thread(save_checkpoint, self.trained_weights(), self.optimizer, self.step,
                                     self.run_dir / "checkpoints" / f"step_{self.step:06d}",

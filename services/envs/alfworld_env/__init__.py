@@ -28,7 +28,7 @@ import structlog
 from services.envs.alfworld_env import gen
 from services.envs.alfworld_env.engine import Step
 from services.envs.alfworld_env.pool import EngineDied, EnginePool, EngineProc
-from services.envs.base import Episode, TaskEnv, ToolCall, ToolError, ToolResult
+from services.envs.base import Episode, TaskEnv, TaskLevel, ToolCall, ToolError, ToolResult
 from shared.config import EnvConfig
 from shared.messages import EpisodeStatus
 
@@ -146,6 +146,10 @@ class AlfworldEnv(TaskEnv):
 
     def task_ids(self, split: str) -> list[str]:
         return list(self.ids.get(split, []))
+
+    def task_level(self, task_id: str, split: str) -> TaskLevel:
+        (task_type, _, _, _), _ = gen.parse_task_id(task_id)
+        return TaskLevel(gen.DIFFICULTY[task_type], task_type)
 
     def task_info(self, task_id: str) -> dict[str, Any]:
         (task_type, obj, recep, scene), trial = gen.parse_task_id(task_id)

@@ -18,7 +18,7 @@ from typing import Any
 
 import structlog
 
-from services.envs.base import Episode, TaskEnv, ToolCall, ToolError, ToolResult
+from services.envs.base import Episode, TaskEnv, TaskLevel, ToolCall, ToolError, ToolResult
 from services.envs.db.backends import Limits, MariaDBServer, SQLiteDB
 from services.envs.db.generate import generate, level_of
 from services.envs.db.grading import answers_from_rows, compare
@@ -159,6 +159,10 @@ class DBEnv(TaskEnv):
             if task_id not in self._cache:
                 self._cache[task_id] = generate(split, int(num), **self.sources())
             return self._cache[task_id]
+
+    def task_level(self, task_id: str, split: str) -> TaskLevel:
+        task = self.task(task_id, split)
+        return TaskLevel(task.level, task.type)
 
     def sources(self) -> dict[str, Any]:
         """Real tables (pydataset) and the multi-table generator (Chinook), built once and cached."""

@@ -23,7 +23,7 @@ from typing import Any
 
 import structlog
 
-from services.envs.base import Episode, TaskEnv, ToolCall, ToolError, ToolResult
+from services.envs.base import Episode, TaskEnv, TaskLevel, ToolCall, ToolError, ToolResult
 from services.envs.kg.engine import KB, Variable
 from services.envs.kg.graph import Graph, open_graph
 from services.envs.kg.questions import GENERATOR_VERSION, generate, gold, load_agentbench, s_expression
@@ -308,7 +308,13 @@ class KGEnv(TaskEnv):
         return tasks
 
     def task_ids(self, split: str) -> list[str]:
-        return [t["qid"] for t in self.tasks.get(split, [])]
+        keep = set(self.cfg.kg.levels)
+        return [t["qid"] for t in self.tasks.get(split, []) if not keep or t.get("level") in keep]
+
+    def task_level(self, task_id: str, split: str) -> TaskLevel:
+        task = self.by_id[split][task_id]
+        kind = str(task.get("s_expression") or "").lstrip("(").split(" ")[0].lower()  # its outermost operator
+        return TaskLevel(int(task.get("level") or 0), kind)
 
     def open(self, task_id: str, split: str, seed: int) -> KGEpisode:
         return KGEpisode(self.kb, self.by_id[split][task_id])  # KeyError -> 404 in the host

@@ -20,7 +20,7 @@ from typing import Any
 
 import structlog
 
-from services.envs.base import Episode, TaskEnv, ToolCall, ToolError, ToolResult
+from services.envs.base import Episode, TaskEnv, TaskLevel, ToolCall, ToolError, ToolResult
 from services.envs.os_task.sandbox import BwrapSandbox, Cgroup, DockerSandbox, Limits, Sandbox, ensure_rootfs
 from services.envs.os_task.tasks import COMPARISONS, OSTask, Script, content_key, generate_split, load_agentbench
 from shared.config import EnvConfig
@@ -236,7 +236,12 @@ class OSEnv(TaskEnv):
             sweep_stale(self.run_dir.parent)
 
     def task_ids(self, split: str) -> list[str]:
-        return list(self.tasks.get(split, {}))
+        keep = set(self.cfg.os.levels)
+        return [i for i, t in self.tasks.get(split, {}).items() if not keep or t.level in keep]
+
+    def task_level(self, task_id: str, split: str) -> TaskLevel:
+        task = self.tasks[split][task_id]
+        return TaskLevel(task.level, task.family)
 
     def rootfs(self, variant: str) -> Path:
         with self._rootfs_lock:

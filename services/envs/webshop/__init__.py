@@ -19,7 +19,7 @@ from typing import Any
 
 import structlog
 
-from services.envs.base import Episode, TaskEnv, ToolCall, ToolError, ToolResult
+from services.envs.base import Episode, TaskEnv, TaskLevel, ToolCall, ToolError, ToolResult
 from services.envs.webshop.catalog import Catalog, open_catalog
 from services.envs.webshop.goals import DIFFICULTIES, make_goal
 from services.envs.webshop.shop import ShopEpisode, oracle_call
@@ -42,8 +42,9 @@ class WebShopEpisode(ShopEpisode):
 class WebShopEnv(TaskEnv):
     name = "webshop"
 
-    def __init__(self, catalog: Catalog, num_train_per_difficulty: int) -> None:
+    def __init__(self, catalog: Catalog, num_train_per_difficulty: int, levels: list[int] | None = None) -> None:
         self.catalog = catalog
+        self.levels = list(levels or [])
         self.goals: dict[str, dict[str, dict[str, Any]]] = {
             "train": self._goals("train", [(d, i) for d in DIFFICULTIES for i in range(num_train_per_difficulty)]),
             "test": self._goals("test", [(DIFFICULTIES[i % 3], i // 3) for i in range(NUM_TEST_GOALS)]),
@@ -65,7 +66,13 @@ class WebShopEnv(TaskEnv):
         return goals
 
     def task_ids(self, split: str) -> list[str]:
-        return list(self.goals.get(split, {}))
+        keep = {DIFFICULTIES[level - 1] for level in self.levels}
+        return [i for i in self.goals.get(split, {}) if not keep or i.split("-")[1] in keep]
+
+    def task_level(self, task_id: str, split: str) -> TaskLevel:
+        self.goals[split][task_id]  # KeyError for an unknown task
+        difficulty = task_id.split("-")[1]
+        return TaskLevel(DIFFICULTIES.index(difficulty) + 1, difficulty)
 
     def goal(self, task_id: str, split: str) -> dict[str, Any]:
         return self.goals[split][task_id]  # KeyError for an unknown split or id, as open() promises
@@ -85,7 +92,7 @@ def make_env(cfg: EnvConfig) -> WebShopEnv:
     # A results page (10 titles, prices and the clickables) is ~1.5k characters: the host cuts
     # observations at env.webshop.max_observation_chars, which overrides the shared default.
     catalog = open_catalog(cfg.data_dir, cfg.webshop.num_products)
-    env = WebShopEnv(catalog, cfg.num_train_tasks)
+    env = WebShopEnv(catalog, cfg.num_train_tasks, cfg.webshop.levels)
     log.info("webshop_ready", products=catalog.num_products, catalog=str(catalog.path),
              train=len(env.goals["train"]), test=len(env.goals["test"]))
     return env

@@ -1,0 +1,94 @@
+"""The eval report: per task, and per level and kind within a task, from finished trajectories.
+
+Figures for one pass (greedy, or ``k`` samples per task at a temperature):
+
+* ``success``: mean over episodes, with a 95 % bootstrap interval over *tasks* (episodes of one task
+  are not independent, so tasks are the resampling unit; seeded, so a report is reproducible);
+* ``pass@k`` (sampled passes): the unbiased estimator of Chen et al. 2021, ``1 - C(n-c, k) / C(n, k)``
+  per task with ``n`` samples of which ``c`` succeeded, averaged over tasks;
+* ``well_formed_rate``: share of turns whose tool call the env accepted (1 - invalid actions / turns);
+* ``mean_reward``, ``mean_turns``, ``statuses``, and the same success / well-formed figures ``by_level``
+  and ``by_kind`` (as the env reports them for each task).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import defaultdict
+from typing import Any
+
+from shared.messages import Trajectory
+
+BOOTSTRAP_RESAMPLES = 1000
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Probability that at least one of ``k`` samples drawn from ``n`` (``c`` correct) is correct."""
+    if k > n:
+        raise ValueError(f"pass@{k} needs at least {k} samples, got {n}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def bootstrap_interval(per_task: list[list[float]], resamples: int = BOOTSTRAP_RESAMPLES, seed: int = 0,
+                       level: float = 0.95) -> tuple[float, float]:
+    """Percentile interval of the episode-mean when tasks (with all their episodes) are resampled."""
+    if not per_task:
+        return (float("nan"), float("nan"))
+    rng = random.Random(seed)
+    means = []
+    for _ in range(resamples):
+        draw = [per_task[rng.randrange(len(per_task))] for _ in per_task]
+        total = sum(len(x) for x in draw)
+        means.append(sum(sum(x) for x in draw) / total)
+    means.sort()
+    lo = means[int((1 - level) / 2 * resamples)]
+    hi = means[min(resamples - 1, int((1 + level) / 2 * resamples))]
+    return (lo, hi)
+
+
+def _well_formed(trajs: list[Trajectory]) -> float:
+    turns = sum(len(t.turns) for t in trajs)
+    invalid = sum(t.metrics.get("invalid_actions", 0.0) for t in trajs)
+    return 1.0 - invalid / turns if turns else float("nan")
+
+
+def _breakdown(trajs: list[Trajectory], key: str) -> dict[str, dict[str, float]]:
+    groups: dict[str, list[Trajectory]] = defaultdict(list)
+    for t in trajs:
+        groups[str(getattr(t, key))].append(t)
+    return {name: {"episodes": len(ts), "success": sum(t.success for t in ts) / len(ts),
+                   "well_formed_rate": _well_formed(ts)} for name, ts in sorted(groups.items())}
+
+
+def task_report(trajs: list[Trajectory], samples: int) -> dict[str, Any]:
+    by_task_id: dict[str, list[Trajectory]] = defaultdict(list)
+    for t in trajs:
+        by_task_id[t.task_id].append(t)
+    per_task = [[float(t.success) for t in ts] for _, ts in sorted(by_task_id.items())]
+    turns = sum(len(t.turns) for t in trajs)
+    report: dict[str, Any] = {
+        "episodes": len(trajs), "tasks": len(by_task_id),
+        "success": sum(t.success for t in trajs) / len(trajs),
+        "success_ci95": list(bootstrap_interval(per_task)),
+        "mean_reward": sum(t.reward for t in trajs) / len(trajs),
+        "mean_turns": turns / len(trajs),
+        "well_formed_rate": _well_formed(trajs),
+        "invalid_action_rate": sum(t.metrics.get("invalid_actions", 0.0) for t in trajs) / max(turns, 1),
+        "statuses": {s: sum(t.status == s for t in trajs) for s in sorted({t.status for t in trajs})},
+        "by_level": _breakdown(trajs, "level"),
+        "by_kind": _breakdown(trajs, "task_kind"),
+    }
+    if samples > 1:
+        usable = [ts for ts in per_task if len(ts) >= samples]
+        if usable:
+            report[f"pass@{samples}"] = sum(pass_at_k(len(ts), int(sum(ts)), samples) for ts in usable) / len(usable)
+    return report
+
+
+def eval_report(results: dict[str, dict[str, list[Trajectory]]], samples: dict[str, int]) -> dict[str, Any]:
+    """``results[pass][task]`` -> ``report[pass][task]``; ``samples[pass]`` attempts per task."""
+    return {name: {task: task_report(trajs, samples[name]) for task, trajs in sorted(by_task.items()) if trajs}
+            for name, by_task in results.items()}

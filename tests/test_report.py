@@ -1,0 +1,55 @@
+"""The eval report's statistics against numbers worked out by hand."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.controller.report import bootstrap_interval, eval_report, pass_at_k
+from shared.messages import Trajectory, TurnInfo
+
+
+def traj(task_id: str, reward: float, level: int = 1, kind: str = "select", turns: int = 2,
+         invalid: float = 0.0) -> Trajectory:
+    spans = [TurnInfo(start=i, end=i + 1, engine_id="e", policy_version=0) for i in range(turns)]
+    return Trajectory(episode_id=f"{task_id}-{reward}-{level}", group_id="g", task="db", task_id=task_id, split="test",
+                      group_size=1, tokens=[1] * turns, logprobs=[0.0] * turns, loss_mask=[1] * turns, prompt_len=0,
+                      turns=spans, reward=reward, status="completed", replica_id="r",
+                      metrics={"invalid_actions": invalid}, level=level, task_kind=kind)
+
+
+def test_pass_at_k_by_hand() -> None:
+    # n=4, c=1, k=2: 1 - C(3,2)/C(4,2) = 1 - 3/6 = 0.5 ; c=0 -> 0 ; n-c < k -> 1
+    assert pass_at_k(4, 1, 2) == pytest.approx(0.5)
+    assert pass_at_k(4, 0, 2) == 0.0
+    assert pass_at_k(4, 3, 2) == 1.0
+    assert pass_at_k(4, 2, 4) == 1.0
+    with pytest.raises(ValueError):
+        pass_at_k(2, 1, 3)
+
+
+def test_bootstrap_interval_brackets_the_mean_and_collapses_without_spread() -> None:
+    assert bootstrap_interval([[1.0], [1.0], [1.0]]) == (1.0, 1.0)
+    lo, hi = bootstrap_interval([[1.0], [0.0]] * 20)
+    assert lo < 0.5 < hi and 0.2 < lo and hi < 0.8
+    assert bootstrap_interval([[1.0], [0.0]] * 20) == (lo, hi)  # seeded: reproducible
+
+
+def test_report_per_level_kind_and_well_formed_rate_by_hand() -> None:
+    # greedy: 4 tasks, 2 turns each; successes 1,1,0,0 -> 0.5; invalid actions 1 of 8 turns -> well-formed 7/8
+    # level 1 holds a (1) and b (1) -> 1.0; level 2 holds c (0) and d (0) -> 0.0
+    greedy = [traj("a", 1.0), traj("b", 1.0, kind="update"), traj("c", 0.0, level=2),
+              traj("d", 0.0, level=2, invalid=1.0)]
+    # sampled, 2 samples per task: a 1,1 ; b 1,0 ; c 0,0 -> success 3/6 ; pass@2 = (1 + 1 + 0) / 3
+    sampled = [traj("a", 1.0), traj("a", 1.0), traj("b", 1.0), traj("b", 0.0), traj("c", 0.0), traj("c", 0.0)]
+    report = eval_report({"greedy": {"db": greedy}, "sampled": {"db": sampled}}, {"greedy": 1, "sampled": 2})
+    g = report["greedy"]["db"]
+    assert g["success"] == 0.5 and g["tasks"] == 4 and g["episodes"] == 4
+    assert g["well_formed_rate"] == pytest.approx(7 / 8)
+    assert g["by_level"]["1"]["success"] == 1.0 and g["by_level"]["2"]["success"] == 0.0
+    assert g["by_level"]["2"]["well_formed_rate"] == pytest.approx(3 / 4)
+    assert g["by_kind"]["update"] == {"episodes": 1, "success": 1.0, "well_formed_rate": 1.0}
+    lo, hi = g["success_ci95"]
+    assert 0.0 <= lo <= 0.5 <= hi <= 1.0
+    assert "pass@1" not in g
+    s = report["sampled"]["db"]
+    assert s["success"] == 0.5 and s["pass@2"] == pytest.approx(2 / 3)
