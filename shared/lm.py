@@ -18,6 +18,7 @@ MLP. Layers are called module by module, so PEFT's LoRA wrappers on the projecti
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -56,16 +57,28 @@ class PackedLM:
         x = self.decoder.embed_tokens(ids)
         cos, sin = self.decoder.rotary_emb(x[None], positions[None])  # the model's own rotary variant
         cos, sin = cos[0, :, None, :], sin[0, :, None, :]  # [N, 1, d]: broadcast over heads
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         for i, layer in enumerate(self.decoder.layers):
             h = layer.input_layernorm(x)
             attn = layer.self_attn
-            q = attn.q_proj(h).view(n, self.num_heads, self.head_dim)
-            k = attn.k_proj(h).view(n, self.num_kv_heads, self.head_dim)
-            v = attn.v_proj(h).view(n, self.num_kv_heads, self.head_dim)
+            fused = getattr(layer, FUSED, None)
+            if fused is not None:  # one matmul for q, k, v and one for gate, up (fuse_projections)
+                qkv = F.linear(h, fused.qkv_weight, fused.qkv_bias)
+                q, k, v = qkv.split((q_size, kv_size, kv_size), dim=-1)
+            else:
+                q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
+            q = q.reshape(n, self.num_heads, self.head_dim)
+            k = k.reshape(n, self.num_kv_heads, self.head_dim)
+            v = v.reshape(n, self.num_kv_heads, self.head_dim)
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
             x = x + attn.o_proj(attend(i, q, k, v))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            h = layer.post_attention_layernorm(x)
+            if fused is not None:
+                gate, up = F.linear(h, fused.gate_up_weight).chunk(2, dim=-1)
+                x = x + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
+            else:
+                x = x + layer.mlp(h)
         return self.decoder.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -87,6 +100,46 @@ class PackedLM:
                                              v.transpose(0, 1)[None], attn_mask=mask, is_causal=causal,
                                              scale=self.scale, enable_gqa=self.num_kv_heads != self.num_heads)
         return out[0].transpose(0, 1).reshape(t, self.num_heads * self.head_dim)
+
+
+FUSED = "_jetrl_fused"
+
+
+@dataclass
+class FusedProjections:
+    qkv_weight: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    gate_up_weight: torch.Tensor
+
+
+def fuse_projections(model: Any) -> None:
+    """Inference only: store each layer's q/k/v weights as one matrix and gate/up as another, so a step
+    runs two matmuls where it ran five (small matmuls waste most of a CPU's time). The modules' own
+    weights become views into the fused storage, so ``load_weights_into`` keeps both in step."""
+    for layer in model.get_decoder().layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        projections = (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj)
+        if any(type(m) is not torch.nn.Linear for m in projections) or mlp.gate_proj.bias is not None:
+            raise ValueError("fuse_projections needs plain nn.Linear projections (no adapters, no MLP bias)")
+        with torch.no_grad():
+            qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
+            bias = None
+            if attn.q_proj.bias is not None:
+                bias = torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias])
+            gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
+        _repoint(qkv, [attn.q_proj, attn.k_proj, attn.v_proj], "weight")
+        if bias is not None:
+            _repoint(bias, [attn.q_proj, attn.k_proj, attn.v_proj], "bias")
+        _repoint(gate_up, [mlp.gate_proj, mlp.up_proj], "weight")
+        setattr(layer, FUSED, FusedProjections(qkv, bias, gate_up))
+
+
+def _repoint(storage: torch.Tensor, modules: list[torch.nn.Module], name: str) -> None:
+    start = 0
+    for module in modules:
+        rows = getattr(module, name).shape[0]
+        setattr(module, name, torch.nn.Parameter(storage[start: start + rows], requires_grad=False))
+        start += rows
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from services.rollout.chat import parse_assistant, render_observation, render_opening, render_tool_call
 
 TOOLS = [{"type": "function", "function": {"name": "execute_sql", "description": "run SQL",
@@ -50,3 +52,19 @@ def test_observation_block_and_round_trip_of_a_demonstration() -> None:
     back = parse_assistant(render_tool_call(message), turn=0)
     assert back["tool_calls"][0]["function"]["name"] == "execute_sql"
     assert json.loads(back["tool_calls"][0]["function"]["arguments"]) == {"sql": "SELECT 2"}
+
+
+def test_compact_tool_format_keeps_every_name_and_argument_in_fewer_tokens() -> None:
+    tools = TOOLS + [{"type": "function", "function": {
+        "name": "commit", "description": "Commit answers.",
+        "parameters": {"type": "object", "properties": {
+            "answers": {"type": "array", "items": {"type": "string"}, "description": "the answers"},
+            "mode": {"type": "string", "enum": ["a", "b"]}}, "required": ["answers"]}}}]
+    messages = [{"role": "system", "content": "Act."}, {"role": "user", "content": "Go."}]
+    compact = render_opening(messages, tools, "compact")
+    assert "- execute_sql(sql: string): run SQL" in compact
+    assert '- commit(answers: list of string, mode?: "a" | "b"): Commit answers. [answers: the answers]' in compact
+    assert compact.endswith("<|im_start|>user\nGo.<|im_end|>\n<|im_start|>assistant\n")
+    assert len(compact) < len(render_opening(messages, tools, "json")) / 1.5
+    with pytest.raises(ValueError, match="tool format"):
+        render_opening(messages, tools, "yaml")

@@ -114,6 +114,8 @@ def test_db_levels_selects_a_curriculum_and_refuses_the_rest() -> None:
         assert ids == ["test-00000", "test-00001", "test-00003", "test-00004", "test-00006", "test-00007"]
         with pytest.raises(KeyError):  # level 3: outside the curriculum, as if it did not exist
             easy.task("test-00002", "test")
+        assert [easy.task_level(i, "test").level for i in ids] == [1, 2, 1, 2, 1, 2]
+        assert all(easy.task_level(i, "test").kind for i in ids)  # the question type, for eval breakdowns
     finally:
         easy.close()
     with pytest.raises(ValueError, match=r"env\.db\.levels"):

@@ -291,3 +291,16 @@ async def test_served_over_nats_oracle_episodes_and_bad_actions(env: KGEnv, conf
     finally:
         await host.shutdown()
         await service.stop()
+
+
+def test_levels_and_kinds_of_questions(env: KGEnv) -> None:
+    ids = env.task_ids("train")
+    levels = {env.task_level(i, "train").level for i in ids}
+    assert levels == {1, 2, 3}
+    assert {env.task_level(i, "train").kind for i in ids} >= {"join", "count"}
+    env.cfg.kg.levels = [1]
+    try:
+        easy = env.task_ids("train")
+    finally:
+        env.cfg.kg.levels = []
+    assert easy and all(env.task_level(i, "train").level == 1 for i in easy) and len(easy) < len(ids)

@@ -406,3 +406,14 @@ async def test_service_entry_point_serves_and_stops_cleanly(env: OSEnv, config, 
     assert proc.returncode == 0, out[-2000:]
     run_dir = env.cache_dir / "run" / str(proc.pid)
     assert not run_dir.exists() or not any(run_dir.iterdir())
+
+
+def test_levels_and_families_of_generated_tasks() -> None:
+    cfg = EnvConfig(task="os", num_train_tasks=18, num_test_tasks=6)
+    everything = OSEnv(cfg)
+    levels = [everything.task_level(i, "train") for i in everything.task_ids("train")]
+    assert {lv.level for lv in levels} == {1, 2, 3} and len({lv.kind for lv in levels}) > 2
+    cfg.os.levels = [1]
+    easy = OSEnv(cfg)
+    ids = easy.task_ids("train")
+    assert ids and all(easy.task_level(i, "train").level == 1 for i in ids) and len(ids) < len(levels)

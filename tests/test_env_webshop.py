@@ -408,3 +408,14 @@ async def test_served_over_nats_oracle_episodes_and_bad_actions(config, subjects
     finally:
         await host.shutdown()
         await service.stop()
+
+
+def test_levels_are_goal_difficulties() -> None:
+    catalog_env = make_env(EnvConfig(num_train_tasks=6))
+    levels = {catalog_env.task_level(i, "train") for i in catalog_env.task_ids("train")}
+    assert {(lv.level, lv.kind) for lv in levels} == {(1, "easy"), (2, "medium"), (3, "hard")}
+    cfg = EnvConfig(num_train_tasks=6)
+    cfg.webshop.levels = [1]
+    easy = make_env(cfg)
+    assert easy.task_ids("train") and all(easy.task_level(i, "train").kind == "easy" for i in easy.task_ids("train"))
+    assert len(easy.task_ids("test")) < len(catalog_env.task_ids("test"))

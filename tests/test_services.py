@@ -175,6 +175,67 @@ async def test_trainer_step_changes_the_policy_and_the_engine_loads_it(nc, confi
     assert fresh.optimizer.state_dict()["state"]  # AdamW moments came back too
 
 
+async def test_lora_step_broadcasts_only_the_adapter_and_replicas_merge_it(nc, config, subjects, model_path,
+                                                                            tmp_path) -> None:
+    """LoRA: only the adapter trains and travels; a replica adds it to its base weights, and then scores
+    tokens exactly as the trainer's model does; checkpoints hold the adapter, the export is merged."""
+    import torch
+
+    from services.rollout.continuous import ContinuousEngine
+    from shared.messages import WeightsAnnouncement
+
+    tokenizer = load_tokenizer(model_path)
+    engine = ContinuousEngine(model_path, "c-test", [tokenizer.convert_tokens_to_ids("<|im_end|>")])
+    prompt = tokenizer.encode("<|im_start|>user\nSay yes<|im_end|>\n<|im_start|>assistant\n")
+    gens = [await engine.generate(prompt, 3, 1.0) for _ in range(2)]
+    config.trainer.lr, config.trainer.lora_rank, config.trainer.lora_alpha = 5e-2, 4, 8.0
+    config.trainer.steps = 2
+    model = load_model(model_path)
+    base = {k: v.clone() for k, v in model.state_dict().items()}
+    trainer = Trainer(nc, nc.jetstream(), subjects, config.trainer, model, tmp_path, "trainer-lora")
+    trainable = [n for n, p in trainer.model.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+    group = Group("g1", 2)
+    for i, (g, reward) in enumerate(zip(gens, [1.0, 0.0], strict=True)):
+        group.items[f"e{i}"] = (make_traj(f"e{i}", "g1", reward, prompt + g.tokens, g.logprobs), _NoAck())
+    announcements = []
+
+    async def on_weights(msg) -> None:
+        announcements.append(decode(msg.data, WeightsAnnouncement))
+
+    sub = await nc.subscribe(subjects.weights_published, cb=on_weights)
+    await trainer.train_step([group])
+    await nc.flush()
+    await asyncio.sleep(0.2)
+    await sub.unsubscribe()
+    (note,) = announcements
+    full = sum(v.numel() * 4 for v in base.values())
+    assert note.format == "lora" and note.size < full / 10  # the adapter, not the model
+    worker = RolloutWorker(nc, nc.jetstream(), subjects, config.rollout, engine, tokenizer, "rollout-lora",
+                           model_path)
+    await worker._load(note)
+    assert engine.policy_version == 1
+    gen = await engine.generate(prompt, 3, 1.0)
+    with torch.no_grad():
+        lp = torch.log_softmax(trainer.model(input_ids=torch.tensor([prompt + gen.tokens])).logits[0].float(), -1)
+    assert gen.logprobs[0] == pytest.approx(float(lp[len(prompt) - 1, gen.tokens[0]]), abs=1e-4)
+    engine.close()
+    # the checkpoint holds the adapter alone; a restarted trainer gets it back
+    saved = (tmp_path / "checkpoints" / "step_000001" / "model.safetensors").stat().st_size
+    assert saved < full / 10
+    fresh = Trainer(nc, nc.jetstream(), subjects, config.trainer, load_model(model_path), tmp_path, "trainer-lora-2")
+    assert fresh.resume() and fresh.policy_version == 1
+    for (name, a), (_, b) in zip(fresh.model.named_parameters(), trainer.model.named_parameters(), strict=True):
+        assert torch.equal(a, b), name
+    # the export is a plain model with the adapter merged in: same logits as the adapter model
+    trainer.export(tmp_path / "model")
+    exported = load_model(tmp_path / "model")
+    with torch.no_grad():
+        want = fresh.model(input_ids=torch.tensor([prompt])).logits
+        got = exported(input_ids=torch.tensor([prompt])).logits
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
 class _NoAck:
     async def ack(self) -> None:
         self.acked = True

@@ -69,7 +69,7 @@ class Episode(ABC):
         return ToolResult(content="Turn limit reached.", finish=True, reward=0.0, status="task_limit_reached")
 
 
-@dataclass
+@dataclass(frozen=True)
 class TaskLevel:
     """How hard a task is (1 easy .. 3 hard, 0 = not graded by level) and what kind it is (a task type,
     a question shape, a command family): the breakdowns of the eval report."""

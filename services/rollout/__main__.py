@@ -76,7 +76,7 @@ async def main(argv: list[str]) -> None:
             await worker.run(stop)
         else:
             await stop.wait()
-        log.info("rollout_stopping", episodes_done=worker.episodes_done)
+        log.info("rollout_stopping", episodes_done=worker.episodes_done, **(vars(engine.stats) if hasattr(engine, "stats") else {}))
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ import structlog
 import torch
 
 from services.rollout.engine import STOP, Generation, QueuedEngine, Request, WeightUpdate
-from shared.lm import PackedLM
+from shared.lm import PackedLM, fuse_projections
 from shared.model import load_model, load_weights_into
 
 log = structlog.get_logger()
@@ -107,6 +107,8 @@ class EngineStats:
     sampled_tokens: int = 0
     copied_prefix_tokens: int = 0
     waited_for_shared_prefix: int = 0
+    fed_tokens: int = 0  # rows of every step (prompt chunks and decoded tokens): fed_tokens / steps = batch
+    busy_s: float = 0.0  # time in forward passes and sampling
 
 
 class ContinuousEngine(QueuedEngine):
@@ -115,6 +117,7 @@ class ContinuousEngine(QueuedEngine):
                  max_context: int = 8192, seed: int = 0, device: str = "cpu") -> None:
         torch.set_num_threads(threads)
         self.model = load_model(model_path, device=device).eval().requires_grad_(False)
+        fuse_projections(self.model)
         self.lm = PackedLM(self.model)
         self.stop_token_ids = set(stop_token_ids)
         self.max_batch = max_batch
@@ -244,6 +247,7 @@ class ContinuousEngine(QueuedEngine):
     # ------------------------------------------------------------------ one step
     @torch.no_grad()
     def _step(self, running: list[Running]) -> None:
+        started = time.perf_counter()
         budget = self.prefill_chunk
         feeds: list[tuple[Running, list[int]]] = []
         for r in running:
@@ -279,8 +283,10 @@ class ContinuousEngine(QueuedEngine):
             if not r.to_feed:  # the whole prompt (or the last sampled token) is in: sample the next token
                 sampling.append((r, int(b) - 1))
         self.stats.steps += 1
+        self.stats.fed_tokens += int(rows[-1])
         if sampling:
             self._sample(sampling, hidden)
+        self.stats.busy_s += time.perf_counter() - started
         for r in [r for r, _ in sampling]:
             if self._finished(r):
                 running.remove(r)

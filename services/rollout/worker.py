@@ -330,7 +330,10 @@ class RolloutWorker:
         while True:
             await asyncio.sleep(every_s)
             version = self.engine.policy_version if self.engine else ORACLE_POLICY_VERSION
+            engine_stats = getattr(self.engine, "stats", None)
+            engine = {f"engine/{k}": float(v) for k, v in vars(engine_stats).items()} if engine_stats else {}
             await publish_metrics(self.nc, self.subjects, "rollout", self.replica_id, version,
                                   {"rollout/episodes_done": float(self.episodes_done),
                                    "rollout/active_episodes": float(self.active),
-                                   **{f"rollout/turns_{k}": float(v) for k, v in self.turn_sources.items()}})
+                                   **{f"rollout/turns_{k}": float(v) for k, v in self.turn_sources.items()},
+                                   **engine})
