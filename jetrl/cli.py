@@ -1,5 +1,6 @@
 """``jetrl``: run everything on one machine, watch episodes live, ask for status.
 
+    jetrl quickstart [--config FILE] [--fresh]   # cached warm start, then RL that improves it
     jetrl up [--config FILE] [--rollouts N] [--section.key=value ...]
     jetrl sft [--config FILE] [...]     # warm start on oracle demonstrations -> <run>/model
     jetrl eval [--config FILE] [...]    # test split, greedy, per-task report -> <run>/eval.json
@@ -308,6 +309,12 @@ def main(argv: list[str] | None = None) -> int:
     watch.add_argument("--task", default=None)
     watch.add_argument("--events", action="store_true")
     watch.add_argument("--seconds", type=float, default=0, help="stop after this long (0 = until Ctrl-C)")
+    quick = sub.add_parser("quickstart", help="a warm start built once and cached, then RL that improves it")
+    quick.add_argument("--config", default="configs/quickstart.toml")
+    quick.add_argument("--rollouts", type=int, default=1, help="rollout replicas")
+    quick.add_argument("--env-replicas", type=int, default=1, help="replicas per task env")
+    quick.add_argument("--stale-engines", type=int, default=0, help="extra stale pool engines")
+    quick.add_argument("--fresh", action="store_true", help="rebuild the warm start even if one is cached")
     status = sub.add_parser("status", help="the controller's /status of a run")
     status.add_argument("--run-dir", default="runs/latest")
     config = sub.add_parser("config", help="every config key with its default and help")
@@ -317,6 +324,10 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging("cli", level="warning")  # the CLI prints its own lines; services log to their files
     if args.command in MODE_DEFAULTS:
         return cmd_up(args, rest, args.command)
+    if args.command == "quickstart":
+        from jetrl.quickstart import cmd_quickstart
+
+        return cmd_quickstart(args, rest)
     if rest:
         parser.error(f"unrecognised arguments: {rest}")
     if args.command == "watch":

@@ -296,6 +296,17 @@ class ControllerConfig:
 
 
 @dataclass
+class WarmStartConfig:
+    """[warmstart]: the supervised warm start that ``jetrl quickstart`` builds once and caches: each env's
+    oracle played through the services, cross-entropy on its successful demonstrations."""
+
+    steps: int = opt(6, "SFT steps")
+    demonstrations: int = opt(16, "oracle demonstrations per step")
+    lr: float = opt(5e-5, "learning rate (every weight trains)")
+    cache_dir: str = opt("", "where warm starts are kept, one per settings; empty = ~/.cache/jetrl/warmstart")
+
+
+@dataclass
 class JetRLConfig:
     nats: NatsConfig = field(default_factory=NatsConfig)
     run: RunConfig = field(default_factory=RunConfig)
@@ -304,6 +315,7 @@ class JetRLConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     controller: ControllerConfig = field(default_factory=ControllerConfig)
+    warmstart: WarmStartConfig = field(default_factory=WarmStartConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
