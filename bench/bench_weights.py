@@ -10,7 +10,10 @@ MB per CPU-second (this process plus the nats-server): what the path costs, what
 
 2. The real path into one replica: a trainer-side ``weights_to_bytes`` + put of a model's weights
    (fp32 and the bf16 broadcast option), then ``RolloutWorker._load``, i.e. read_object, digest check,
-   ``bytes_to_weights`` and the HF engine's in-place update, timed end to end.
+   ``bytes_to_weights`` and the engine's in-place update (``--engine continuous``, the default engine,
+   or ``hf``), timed end to end. With ``--lora-rank R`` also a LoRA version as a LoRA run broadcasts it:
+   the adapter alone (``lora_delta_bytes``, fp32), which the replica adds to its base weights
+   (``merge_lora_delta``) before the same in-place update.
 
     python bench/bench_weights.py                      # the figures in docs/benchmarks/scale_out.md
     python bench/bench_weights.py --sizes 25 --repeats 3 --models tiny   # quick look
@@ -33,12 +36,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from nats.js.api import ObjectMeta, ObjectMetaOptions  # noqa: E402
 
+from services.rollout.continuous import ContinuousEngine  # noqa: E402
 from services.rollout.engine import HFEngine  # noqa: E402
 from services.rollout.worker import RolloutWorker  # noqa: E402
 from shared.bus import connect, declare_topology, read_object  # noqa: E402
 from shared.config import ModelConfig, NatsConfig, RolloutConfig  # noqa: E402
 from shared.messages import WeightsAnnouncement  # noqa: E402
-from shared.model import digest, load_model, load_tokenizer, quiet_transformers, resolve_model, weights_to_bytes  # noqa: E402
+from shared.model import (  # noqa: E402
+    LORA_TARGETS,
+    add_lora,
+    digest,
+    load_model,
+    load_tokenizer,
+    lora_delta_bytes,
+    quiet_transformers,
+    resolve_model,
+    weights_to_bytes,
+)
 from shared.natsd import EmbeddedNats  # noqa: E402
 from shared.subjects import Subjects  # noqa: E402
 
@@ -92,30 +106,50 @@ async def raw_objects(js: Any, subjects: Subjects, sizes_mb: list[float], chunks
     return rows
 
 
+def lora_model(path: Path, rank: int) -> Any:
+    """A LoRA-wrapped model whose adapter is not zero (as after training), so the replica's merge is real."""
+    import torch
+
+    model = add_lora(load_model(path), rank, 2.0 * rank, LORA_TARGETS)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 1e-3)
+    return model
+
+
 async def into_replica(nc: Any, js: Any, subjects: Subjects, model_name: str, dtypes: list[str],
-                       repeats: int) -> list[dict[str, Any]]:
+                       repeats: int, engine_kind: str = "continuous", lora_rank: int = 0) -> list[dict[str, Any]]:
     """The trainer's publish and the replica's load, as the services run them."""
     path = resolve_model(ModelConfig(name=model_name))
     model = load_model(path)
     tokenizer = load_tokenizer(path)
-    engine = HFEngine(path, "bench", [tokenizer.convert_tokens_to_ids("<|im_end|>")], tokenizer.pad_token_id,
-                      threads=2)
-    worker = RolloutWorker(nc, js, subjects, RolloutConfig(), engine, tokenizer, "bench-replica")
+    stop = [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    engine = (ContinuousEngine(path, "bench", stop, threads=2) if engine_kind == "continuous"
+              else HFEngine(path, "bench", stop, tokenizer.pad_token_id, threads=2))
+    # model_path: where a LoRA replica reads the base weights it adds an adapter to (once, then kept)
+    worker = RolloutWorker(nc, js, subjects, RolloutConfig(), engine, tokenizer, "bench-replica", model_path=path)
     store = await js.object_store(subjects.weights_bucket)
     rows = []
+    versions = [("full", dtype) for dtype in dtypes] + ([("lora", "float32")] if lora_rank else [])
     try:
-        for dtype in dtypes:
+        for fmt, dtype in versions:
             started = time.perf_counter()
-            data = await asyncio.to_thread(weights_to_bytes, model, dtype)
+            if fmt == "lora":
+                adapted = lora_model(path, lora_rank)
+                started = time.perf_counter()
+                data = await asyncio.to_thread(lora_delta_bytes, adapted, dtype)
+            else:
+                data = await asyncio.to_thread(weights_to_bytes, model, dtype)
             serialise_s = time.perf_counter() - started
-            name = f"policy-{model_name}-{dtype}"
+            name = f"policy-{model_name}-{fmt}-{dtype}"
             put_s, _ = await _timed(lambda: store.put(name, data), 1)  # noqa: B023
             note_digest = digest(data)
             size = len(data) / MB
             times = []
             for _ in range(repeats):
                 note = WeightsAnnouncement(version=engine.policy_version + 1, object_name=name, digest=note_digest,
-                                           size=len(data), dtype=dtype)
+                                           size=len(data), dtype=dtype, format=fmt)
                 started = time.perf_counter()
                 await worker._load(note)
                 times.append(time.perf_counter() - started)
@@ -123,7 +157,8 @@ async def into_replica(nc: Any, js: Any, subjects: Subjects, model_name: str, dt
             read_s, _ = await _timed(lambda: read_object(js, subjects.weights_bucket, name), repeats)  # noqa: B023
             read_cpu = CPU["last"]
             load_s = statistics.median(times)
-            row = {"model": model_name, "dtype": dtype, "size_mb": size, "serialise_s": serialise_s, "put_s": put_s,
+            row = {"model": model_name, "dtype": dtype if fmt == "full" else f"LoRA r{lora_rank} adapter ({dtype})",
+                   "size_mb": size, "serialise_s": serialise_s, "put_s": put_s,
                    "read_object_mb_s": size / read_s, "read_object_mb_per_cpu_s": size / read_cpu,
                    "replica_load_s": load_s, "replica_mb_s": size / load_s}
             rows.append(row)
@@ -166,7 +201,7 @@ async def main(args: argparse.Namespace) -> None:
         raw = await raw_objects(js, subjects, args.sizes, args.chunks, args.repeats, args.get_max_mb)
         real = []
         for model in args.models:
-            real += await into_replica(nc, js, subjects, model, args.dtypes, args.repeats)
+            real += await into_replica(nc, js, subjects, model, args.dtypes, args.repeats, args.engine, args.lora_rank)
         await nc.close()
         server.stop()
         print(json.dumps({"load_average": os.getloadavg()}), flush=True)
@@ -184,4 +219,6 @@ if __name__ == "__main__":
     parser.add_argument("--get-max-mb", type=float, default=25.0, help="largest object read with ObjectStore.get")
     parser.add_argument("--models", type=lambda s: s.split(","), default=["tiny", "smollm2"])
     parser.add_argument("--dtypes", type=lambda s: s.split(","), default=["float32", "bfloat16"])
+    parser.add_argument("--engine", choices=["continuous", "hf"], default="continuous")
+    parser.add_argument("--lora-rank", type=int, default=16, help="also broadcast a LoRA adapter (0 = no)")
     asyncio.run(main(parser.parse_args()))

@@ -1,21 +1,24 @@
-"""Learning benchmark: warm start, then RL variants, each evaluated before/after with `jetrl eval`.
+"""Learning benchmark: a SmolLM2 warm start, then RL variants, each probed before/after (greedy and sampled).
 
-    python bench/learning.py [--config configs/learning.toml] [--out runs/learning] [options]
+    python bench/learning.py [--config configs/smollm2.toml] [--out runs/learning] [options]
                              [-- --section.key=value ...]   # overrides for every run
 
-1. **Warm start** ``jetrl sft`` (each env's oracle through the services; cross-entropy) -> ``<out>/sft/model``.
-2. **Evaluation of the warm start** ``jetrl eval`` on each split of ``--eval-splits`` (greedy).
-3. **RL variants**, each ``jetrl up`` from the warm-start model, then ``jetrl eval`` of its final model:
-   ``full`` (task normalisation + cross-policy sampling with stale engines), ``no_task_norm``,
-   ``no_cross_policy``, and ``expert-<task>`` (the full recipe on one task only) for every task.
-4. **Report**: ``<out>/results.json``, a markdown table (printed, and written into
-   ``docs/benchmarks/learning.md`` between the ``<!-- results:begin/end -->`` markers with ``--write-doc``),
-   and PNG plots in ``docs/benchmarks/``: per-task training success over steps for each variant (with the
-   eval before/after as points) and the warm-start loss curve.
+1. **Warm start** ``jetrl sft`` (each env's oracle through the services; cross-entropy, every weight) ->
+   ``<out>/sft/model``; timed on its own.
+2. **Probe of the warm start** ``jetrl probe`` on each split of ``--eval-splits``: a greedy pass and a
+   sampled pass (``--eval-samples`` attempts per task at T = 1), per task, level and kind.
+3. **RL variants**, each ``jetrl up`` from the warm-start model (same steps, same time limit), then the same
+   probe of its final model: ``full`` (task normalisation + cross-policy sampling with a stale engine),
+   ``no_task_norm``, ``no_cross_policy``, and ``expert-<task>`` (the full recipe on one task only).
+4. **Report**: ``<out>/results.json``, a markdown table per pass (printed, and written into
+   ``docs/benchmarks/learning.md`` between the ``<!-- results:begin/end -->`` markers with ``--write-doc``):
+   success with a 95 % bootstrap interval over the evaluated tasks, and each variant's change against the
+   warm start with a *paired* bootstrap interval (the same tasks before and after, resampled together);
+   PNG plots in ``docs/benchmarks/``: per-task training success over steps for each variant (with the
+   greedy probe before/after as points) and the warm-start loss curve.
 
 Every command is printed, timed and logged under ``<out>/``; a run that exceeds ``--time-limit-min``
-is interrupted (SIGINT: `jetrl` stops its services) and marked ``timeout`` in the table. Tasks default
-to every env in ``services/envs/__main__.py`` whose module builds its env here (``--tasks auto``).
+is interrupted (SIGINT: `jetrl` stops its services) and marked ``timeout`` in the table.
 ``--sft-model DIR`` skips the warm start; ``--skip-done`` reuses finished runs under ``<out>``.
 """
 
@@ -24,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -145,9 +149,9 @@ class Bench:
             if self.args.skip_done and key in self.results["evals"] and self.results["evals"][key].get("report"):
                 continue
             run_dir = self.out / f"eval-{label}-{split}"
-            cmd = [*self.base("eval"), f"--run.dir={run_dir}", f"--model.name={model}", tasks_arg(tasks),
+            cmd = [*self.base("probe"), f"--run.dir={run_dir}", f"--model.name={model}", tasks_arg(tasks),
                    f"--controller.eval_split={split}", f"--controller.eval_limit={self.args.eval_limit}",
-                   f"--rollouts={self.args.rollouts}"]
+                   f"--controller.eval_samples={self.args.eval_samples}", f"--rollouts={self.args.rollouts}"]
             res = run_cmd(cmd, self.out / f"eval-{label}-{split}.log", self.limit_s)
             report_file = run_dir / "eval.json"
             res["report"] = json.loads(report_file.read_text()) if report_file.exists() and res["rc"] == 0 else None
@@ -188,40 +192,95 @@ class Bench:
 
 
 # ---------------------------------------------------------------------------------------------- report
-def success(report: dict[str, Any] | None, task: str) -> float | None:
-    if not report or task not in report:
-        return None
-    return float(report[task]["success"])
+PASSES = ("greedy", "sampled")
+RESAMPLES = 2000
+
+
+def task_report(report: dict[str, Any] | None, pass_name: str, task: str) -> dict[str, Any] | None:
+    """One task's figures in a probe report (``report[pass][task]``), or None."""
+    return ((report or {}).get(pass_name) or {}).get(task)
+
+
+def success(report: dict[str, Any] | None, task: str, pass_name: str = "greedy") -> float | None:
+    r = task_report(report, pass_name, task)
+    return None if r is None else float(r["success"])
+
+
+def paired_delta(before: dict[str, float], after: dict[str, float], seed: int = 0) -> tuple[float, float, float]:
+    """Mean change of per-task success over the tasks both probes ran, with a 95 % percentile interval
+    from resampling those tasks (paired: a task's before and after stay together)."""
+    common = sorted(set(before) & set(after))
+    if not common:
+        return (float("nan"), float("nan"), float("nan"))
+    diffs = [after[t] - before[t] for t in common]
+    rng = random.Random(seed)
+    means = sorted(sum(diffs[rng.randrange(len(diffs))] for _ in diffs) / len(diffs) for _ in range(RESAMPLES))
+    return (sum(diffs) / len(diffs), means[int(0.025 * RESAMPLES)], means[int(0.975 * RESAMPLES) - 1])
+
+
+def mean_delta(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]],
+               seed: int = 0) -> tuple[float, float, float]:
+    """Change of the task-type mean (each task type weighs the same), tasks resampled within each type."""
+    types = [t for t in before if t in after and set(before[t]) & set(after[t])]
+    if not types:
+        return (float("nan"), float("nan"), float("nan"))
+    rng = random.Random(seed)
+    diffs = {t: [after[t][k] - before[t][k] for k in sorted(set(before[t]) & set(after[t]))] for t in types}
+    point = sum(sum(d) / len(d) for d in diffs.values()) / len(types)
+    draws = sorted(sum(sum(d[rng.randrange(len(d))] for _ in d) / len(d) for d in diffs.values()) / len(types)
+                   for _ in range(RESAMPLES))
+    return (point, draws[int(0.025 * RESAMPLES)], draws[int(0.975 * RESAMPLES) - 1])
+
+
+def _cell(r: dict[str, Any] | None) -> str:
+    if r is None:
+        return "–"
+    lo, hi = r.get("success_ci95", [float("nan")] * 2)
+    return f"{r['success']:.2f} [{lo:.2f}, {hi:.2f}]"
+
+
+def _delta_cell(d: tuple[float, float, float]) -> str:
+    point, lo, hi = d
+    if point != point:
+        return "–"
+    mark = " **↑**" if lo > 0 else (" ↓" if hi < 0 else "")
+    return f"{100 * point:+.1f} [{100 * lo:+.1f}, {100 * hi:+.1f}]{mark}"
 
 
 def table(results: dict[str, Any], tasks: list[str], splits: list[str]) -> str:
+    """Per split and pass: success per task with its bootstrap interval, then each variant's paired change
+    against the warm start in points (↑: the interval lies above 0)."""
     evals, runs = results["evals"], results["runs"]
     lines = []
     for split in splits:
         base = evals.get(f"warm_start@{split}", {}).get("report")
-        n_tasks = {t: base[t]["tasks"] for t in tasks if base and t in base}
-        head = " | ".join(f"{t} (n={n_tasks.get(t, '?')})" for t in tasks)
-        lines += [f"**{split} split**, greedy, success rate per task (n = eval tasks); Δ = mean change vs warm start",
-                  "", f"| policy | {head} | mean | Δ mean | training wall time |",
-                  "|---|" + "---|" * len(tasks) + "---|---|---|"]
-        base_mean = None
-        for label in ["warm_start", *[k.split("@")[0] for k in evals if k.endswith(f"@{split}")
-                                      and not k.startswith("warm_start")]]:
-            rep = evals.get(f"{label}@{split}", {}).get("report")
-            cells, vals = [], []
-            for t in tasks:
-                s = success(rep, t)
-                cells.append("–" if s is None else f"{s:.3f}")
-                if s is not None:
-                    vals.append(s)
-            mean = sum(vals) / len(vals) if vals else None
-            if label == "warm_start":
-                base_mean = mean
-            delta = "" if mean is None or base_mean is None or label == "warm_start" else f"{100 * (mean - base_mean):+.1f} pts"
-            run = runs.get(label if label != "warm_start" else "sft", {})
-            wall = f"{run.get('wall_s', 0) / 60:.1f} min" + (" (time limit)" if run.get("timeout") else "") if run else ""
-            lines.append(f"| {label} | {' | '.join(cells)} | {'–' if mean is None else f'{mean:.3f}'} | {delta} | {wall} |")
-        lines.append("")
+        labels = [k.split("@")[0] for k in evals if k.endswith(f"@{split}") and not k.startswith("warm_start")]
+        for pass_name in PASSES:
+            if not any(task_report(base, pass_name, t) for t in tasks):
+                continue
+            n_tasks = {t: task_report(base, pass_name, t)["tasks"] for t in tasks if task_report(base, pass_name, t)}
+            head = " | ".join(f"{t} (n={n_tasks.get(t, '?')})" for t in tasks)
+            lines += [f"**{split} split, {pass_name}**: success per task [95 % bootstrap interval over tasks]", "",
+                      f"| policy | {head} | mean of tasks | RL wall time |", "|---|" + "---|" * len(tasks) + "---|---|"]
+            for label in ["warm_start", *labels]:
+                rep = evals.get(f"{label}@{split}", {}).get("report")
+                vals = [success(rep, t, pass_name) for t in tasks]
+                vals = [v for v in vals if v is not None]
+                mean = f"{sum(vals) / len(vals):.3f}" if vals else "–"
+                run = runs.get(label if label != "warm_start" else "sft", {})
+                wall = (f"{run.get('wall_s', 0) / 60:.1f} min" + (" (time limit)" if run.get("timeout") else "")
+                        if run else "")
+                cells = " | ".join(_cell(task_report(rep, pass_name, t)) for t in tasks)
+                lines.append(f"| {label} | {cells} | {mean} | {wall} |")
+            lines += ["", f"Change against the warm start ({split}, {pass_name}), points [95 % paired bootstrap]:", "",
+                      f"| policy | {' | '.join(tasks)} | mean of tasks |", "|---|" + "---|" * len(tasks) + "---|"]
+            for label in labels:
+                rep = evals.get(f"{label}@{split}", {}).get("report")
+                before = {t: (task_report(base, pass_name, t) or {}).get("per_task_success", {}) for t in tasks}
+                after = {t: (task_report(rep, pass_name, t) or {}).get("per_task_success", {}) for t in tasks}
+                cells = " | ".join(_delta_cell(paired_delta(before[t], after[t])) for t in tasks)
+                lines.append(f"| {label} | {cells} | {_delta_cell(mean_delta(before, after))} |")
+            lines.append("")
     return "\n".join(lines)
 
 
@@ -291,25 +350,28 @@ def main(argv: list[str] | None = None) -> int:
         i = argv.index("--")
         argv, overrides = argv[:i], argv[i + 1:]
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default="configs/learning.toml")
+    p.add_argument("--config", default="configs/smollm2.toml")
     p.add_argument("--out", default="runs/learning", help="directory for every run, log and results.json")
     p.add_argument("--docs", default="docs/benchmarks", help="where the PNG plots go")
     p.add_argument("--prefix", default="learning", help="file name prefix of the plots")
-    p.add_argument("--tasks", default="auto", help="comma list, or auto = every env that builds here")
-    p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of {', '.join(VARIANTS)}")
+    p.add_argument("--tasks", default="db,os,kg", help="comma list, or auto = every env that builds here")
+    p.add_argument("--variants", default="full,no_task_norm,no_cross_policy",
+                   help=f"comma list of {', '.join(VARIANTS)}")
     p.add_argument("--sft-model", default="", help="use this warm-start model instead of running `jetrl sft`")
-    p.add_argument("--sft-steps", type=int, default=200)
-    p.add_argument("--sft-lr", type=float, default=2e-3)
+    p.add_argument("--sft-steps", type=int, default=8)
+    p.add_argument("--sft-lr", type=float, default=5e-5)
     p.add_argument("--sft-batch", type=int, default=16, help="demonstrations per SFT step")
-    p.add_argument("--sft-extra", nargs="*", default=["--trainer.warmup_steps=20"],
-                   help="extra overrides for the warm start only")
+    p.add_argument("--sft-extra", nargs="*",
+                   default=["--trainer.warmup_steps=0", "--trainer.lora_rank=0", "--trainer.torch_threads=2"],
+                   help="extra overrides for the warm start only (every weight trains; the oracle needs no cores)")
     p.add_argument("--rl-steps", type=int, default=40)
     p.add_argument("--rollouts", type=int, default=1, help="rollout replicas (RL and eval)")
     p.add_argument("--stale-engines", type=int, default=1, help="stale pool engines (variants with cross-policy)")
     p.add_argument("--cross-policy-prob", type=float, default=0.25)
     p.add_argument("--stale-every", type=int, default=10)
     p.add_argument("--eval-splits", default="test", help="comma list of splits to evaluate (test, train)")
-    p.add_argument("--eval-limit", type=int, default=0, help="tasks per task type in each eval (0 = all)")
+    p.add_argument("--eval-limit", type=int, default=24, help="tasks per task type in each probe (0 = all)")
+    p.add_argument("--eval-samples", type=int, default=4, help="attempts per task in the sampled pass")
     p.add_argument("--time-limit-min", type=float, default=30.0, help="per command (AgentRL budget: 30 min)")
     p.add_argument("--no-warm-eval", action="store_true", help="do not evaluate the warm start (another invocation does)")
     p.add_argument("--skip-done", action="store_true", help="reuse finished runs and evals in --out")

@@ -4,9 +4,13 @@
    through the services and trains SmolLM2 on its demonstrations for a few steps. Short on purpose: the
    model learns the tool-call format and the tasks' shape, but sampling at T = 1 still breaks calls
    and gets answers wrong, which is where RL has something to learn.
-2. **RL**: ``jetrl up`` from the warm start, asynchronous, LoRA updates; one line per step with each
-   task's success on the episodes it trained on.
-3. **Summary**: each task's training success over the first and the last third of the steps.
+2. **Probe of the warm start** (cached with it): ``jetrl probe`` on the training tasks RL will draw from
+   (the first ``controller.train_limit`` of each task type), ``warmstart.probe_samples`` attempts each at T = 1.
+3. **RL**: ``jetrl up`` from the warm start, asynchronous, LoRA updates; one line per step with each
+   task's success on the episodes it trained on (2 groups a step: noisy, the probes are the measure).
+4. **Probe of the result**, the same tasks and samples, and a summary per task: success before -> after,
+   with 95 % bootstrap intervals over the tasks, and the well-formed tool-call rate. Everything is also
+   written to ``<run>/quickstart.json`` (``tests/test_learning.py`` asserts on it).
 
 The cache key is everything that shapes the warm start (model, tasks, env settings, tool format,
 warm-start settings, seed), so changing any of them builds a new one; ``--fresh`` rebuilds it anyway.
@@ -15,6 +19,7 @@ warm-start settings, seed), so changing any of them builds a new one; ``--fresh`
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import os
@@ -25,56 +30,73 @@ from typing import Any
 from shared.config import JetRLConfig, load_config
 
 WARM_START_KEYS = ("model", "env", "warmstart")
+DEFAULT_PROBE_TASKS = 16  # when RL draws from every training task, the probe takes the first 16
 
 
 def warm_start_dir(cfg: JetRLConfig) -> Path:
-    shaping = {section: getattr(cfg, section) for section in WARM_START_KEYS}
+    shaping: dict[str, Any] = {section: dataclasses.asdict(getattr(cfg, section)) for section in WARM_START_KEYS}
     shaping.update(tasks=cfg.controller.tasks, tool_format=cfg.rollout.tool_format, seed=cfg.run.seed,
                    max_new_tokens=cfg.rollout.max_new_tokens, max_context=cfg.rollout.max_context_tokens)
-    text = json.dumps({k: v if isinstance(v, (dict, str, int, float)) else _plain(v) for k, v in shaping.items()},
-                      sort_keys=True)
-    key = hashlib.sha256(text.encode()).hexdigest()[:12]
+    for key in ("cache_dir", "probe_samples"):  # where it is kept, and how it is probed, do not change it
+        shaping["warmstart"].pop(key)
+    key = hashlib.sha256(json.dumps(shaping, sort_keys=True).encode()).hexdigest()[:12]
     root = cfg.warmstart.cache_dir or os.environ.get("JETRL_CACHE", str(Path.home() / ".cache" / "jetrl"))
     return Path(root).expanduser() / "warmstart" / f"{cfg.model.name.replace('/', '_')}-{key}"
-
-
-def _plain(value: Any) -> Any:
-    import dataclasses
-
-    return dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value
 
 
 def sft_overrides(cfg: JetRLConfig, run_dir: Path) -> list[str]:
     ws = cfg.warmstart
     return [f"run.dir={run_dir}", f"trainer.steps={ws.steps}", f"trainer.lr={ws.lr}", "trainer.lora_rank=0",
             "trainer.warmup_steps=0", f"trainer.min_groups={ws.demonstrations}",
-            f"trainer.max_groups={ws.demonstrations}", "trainer.checkpoint_every=0"]
+            f"trainer.max_groups={ws.demonstrations}", "trainer.checkpoint_every=0",
+            # the oracle engine generates nothing, so training may have both cores
+            "trainer.torch_threads=2",
+            # demonstrations from the whole training split, not only the tasks RL will draw from
+            "controller.train_limit=0"]
 
 
-def training_summary(run_dir: Path) -> list[str]:
-    """Per task: mean training success over the first and the last third of the steps."""
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    tasks = sorted({k.split("/")[1] for r in rows for k in r if k.startswith("task/") and k.endswith("/success")})
-    third = max(1, len(rows) // 3)
+def probe_overrides(cfg: JetRLConfig, run_dir: Path, model: Path) -> list[str]:
+    """The sampled probe on the training tasks RL draws from; generation alone, so it may have both cores."""
+    tasks = cfg.controller.train_limit or DEFAULT_PROBE_TASKS
+    return [f"run.dir={run_dir}", f"model.name={model}", "controller.eval_split=train",
+            f"controller.eval_limit={tasks}", f"controller.eval_samples={cfg.warmstart.probe_samples}",
+            'controller.eval_passes=["sampled"]', "rollout.torch_threads=2"]
+
+
+def run_probe(args: argparse.Namespace, overrides: list[str], cfg: JetRLConfig, run_dir: Path,
+              model: Path, reuse: bool) -> dict[str, Any] | None:
+    """``jetrl probe`` of ``model``; its sampled report per task (kept in ``run_dir``, and taken from there
+    when ``reuse``), or None if it failed."""
+    from jetrl.cli import cmd_up
+
+    report_file = run_dir / "eval.json"
+    if not (reuse and report_file.is_file()):
+        if run_dir.exists():
+            shutil.rmtree(run_dir)  # an interrupted probe, or one of an earlier model
+        if cmd_up(args, overrides + probe_overrides(cfg, run_dir, model), mode="probe"):
+            return None
+    return json.loads(report_file.read_text()).get("sampled")
+
+
+def summary(before: dict[str, Any], after: dict[str, Any], rl_steps: int, samples: int) -> list[str]:
     lines = []
-    for task in tasks:
-        (first, n1), (last, n2) = task_success(rows[:third], task), task_success(rows[-third:], task)
-        lines.append(f"{task}: training success {first:.2f} over steps 1-{third} ({n1} episodes) -> {last:.2f} over "
-                     f"steps {len(rows) - third + 1}-{len(rows)} ({n2} episodes)")
+    for task in sorted(before):
+        b, a = before[task], after.get(task)
+        if a is None:
+            continue
+        (blo, bhi), (alo, ahi) = b["success_ci95"], a["success_ci95"]
+        lines.append(f"{task}: success on {b['tasks']} training tasks ({samples} samples each, T = 1): warm start "
+                     f"{b['success']:.2f} [{blo:.2f}, {bhi:.2f}] -> after {rl_steps} RL steps {a['success']:.2f} "
+                     f"[{alo:.2f}, {ahi:.2f}]; well-formed tool calls {b['well_formed_rate']:.2f} -> "
+                     f"{a['well_formed_rate']:.2f}")
     return lines
-
-
-def task_success(rows: list[dict[str, Any]], task: str) -> tuple[float, int]:
-    """Success over the training episodes of ``rows`` (metrics.jsonl lines), and how many there were."""
-    episodes = sum(r.get(f"task/{task}/episodes", 0.0) for r in rows)
-    wins = sum(r.get(f"task/{task}/success", 0.0) * r.get(f"task/{task}/episodes", 0.0) for r in rows)
-    return (wins / episodes if episodes else float("nan")), int(episodes)
 
 
 def cmd_quickstart(args: argparse.Namespace, overrides: list[str]) -> int:
     from jetrl.cli import cmd_up
 
     cfg = load_config(args.config, overrides)
+    run_dir = Path(cfg.run.dir).resolve()
     warm = warm_start_dir(cfg)
     if args.fresh and warm.exists():
         shutil.rmtree(warm)
@@ -88,9 +110,28 @@ def cmd_quickstart(args: argparse.Namespace, overrides: list[str]) -> int:
         if rc:
             return rc
         (model / "READY").write_text("ok\n")
+    probing = cfg.warmstart.probe_samples > 0
+    probe_name = f"probe-train{cfg.controller.train_limit or DEFAULT_PROBE_TASKS}x{cfg.warmstart.probe_samples}"
+    before = None
+    if probing:
+        print("jetrl quickstart: probing the warm start on the training tasks", flush=True)
+        before = run_probe(args, overrides, cfg, warm / probe_name, model, reuse=True)
+    if run_dir.exists():  # RL starts from the warm start each time, not from an earlier run's checkpoints
+        kept = run_dir.with_name(f"{run_dir.name}-{int(run_dir.stat().st_mtime)}")
+        run_dir.rename(kept)
+        print(f"jetrl quickstart: the earlier run in {run_dir} is kept as {kept}", flush=True)
     print("jetrl quickstart: RL from the warm start", flush=True)
     rc = cmd_up(args, overrides + [f"model.name={model}"], mode="up")
-    if rc == 0:
-        for line in training_summary(Path(cfg.run.dir).resolve()):
-            print(f"jetrl quickstart: {line}", flush=True)
-    return rc
+    if rc or not probing:
+        return rc
+    print("jetrl quickstart: probing the RL result on the same tasks", flush=True)
+    after = run_probe(args, overrides, cfg, run_dir / probe_name, run_dir / "model", reuse=False)
+    if before is None or after is None:
+        print("jetrl quickstart: a probe failed; see its logs", flush=True)
+        return 1
+    lines = summary(before, after, cfg.trainer.steps, cfg.warmstart.probe_samples)
+    (run_dir / "quickstart.json").write_text(json.dumps({"warm_start": before, "rl": after,
+                                                         "rl_steps": cfg.trainer.steps}, indent=2) + "\n")
+    for line in lines:
+        print(f"jetrl quickstart: {line}", flush=True)
+    return 0

@@ -75,7 +75,7 @@ async def connect(cfg: NatsConfig, name: str, url: str | None = None) -> Client:
         # a service's shutdown drains its subscriptions; a pull fetch still parked on the server would hold
         # the default 30 s drain open (every eval end paid it), and nothing is lost by giving up sooner:
         # unacked work is redelivered to the next replica
-        drain_timeout=5,
+        drain_timeout=2,
         error_cb=on_error,
         disconnected_cb=on_disconnected,
         reconnected_cb=on_reconnected,

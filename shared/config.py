@@ -278,6 +278,8 @@ class TrainerConfig:
 class ControllerConfig:
     mode: str = opt("train", "train (publish training groups) | eval (each test task once, greedy, then report)")
     tasks: dict[str, float] = opt({"db": 1.0}, "task mix: task -> share of episodes")
+    train_limit: int = opt(0, "train: draw groups from only the first this many training tasks of each task type "
+                              "(0 = all); a probe with eval_split=train and the same eval_limit runs those tasks")
     eval_split: str = opt("test", "eval: the split to run")
     eval_limit: int = opt(0, "eval: at most this many tasks per task type (0 = all)")
     eval_passes: list[str] = opt(["greedy"], "eval: greedy (one attempt per task at temperature 0) and/or sampled "
@@ -303,6 +305,7 @@ class WarmStartConfig:
     steps: int = opt(6, "SFT steps")
     demonstrations: int = opt(16, "oracle demonstrations per step")
     lr: float = opt(5e-5, "learning rate (every weight trains)")
+    probe_samples: int = opt(6, "attempts per task in the probes before and after RL (0 = no probes)")
     cache_dir: str = opt("", "where warm starts are kept, one per settings; empty = ~/.cache/jetrl/warmstart")
 
 

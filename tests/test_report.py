@@ -51,5 +51,7 @@ def test_report_per_level_kind_and_well_formed_rate_by_hand() -> None:
     lo, hi = g["success_ci95"]
     assert 0.0 <= lo <= 0.5 <= hi <= 1.0
     assert "pass@1" not in g
+    assert g["per_task_success"] == {"a": 1.0, "b": 1.0, "c": 0.0, "d": 0.0}
     s = report["sampled"]["db"]
     assert s["success"] == 0.5 and s["pass@2"] == pytest.approx(2 / 3)
+    assert s["per_task_success"] == {"a": 1.0, "b": 0.5, "c": 0.0}

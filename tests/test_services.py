@@ -276,6 +276,15 @@ async def test_controller_status_and_prometheus_metrics(nc, config, subjects) ->
     assert "e-stale" not in controller.inflight and controller.status()["episodes_lost"] == 1
 
 
+async def test_controller_train_limit_draws_from_the_first_training_tasks(nc, config, subjects, db_host) -> None:
+    """train_limit = N: groups come from the env's first N training tasks, the ones a probe with
+    eval_split=train and eval_limit=N runs (so training success is measured on the tasks trained on)."""
+    every = await Controller(nc, nc.jetstream(), subjects, config, "c-all").fetch_task_ids()
+    config.controller.train_limit = 3
+    limited = await Controller(nc, nc.jetstream(), subjects, config, "c-limited").fetch_task_ids()
+    assert len(every["db"]) == 6 and limited["db"] == every["db"][:3]
+
+
 async def test_controller_pauses_while_the_trainer_backlog_is_full(nc, config, subjects, db_host, tmp_path) -> None:
     """Finished trajectories the trainer has not taken stop further publishing; taking them resumes it."""
     import torch

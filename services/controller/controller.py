@@ -99,7 +99,8 @@ class Controller:
 
     # ------------------------------------------------------------------ plan and publish
     async def fetch_task_ids(self, timeout_s: float = 120.0) -> dict[str, list[str]]:
-        """Ask each task's env service for its training task ids (waits for env replicas to come up)."""
+        """Ask each task's env service for its training task ids (waits for env replicas to come up); the first
+        ``controller.train_limit`` of them when that is set."""
         out: dict[str, list[str]] = {}
         deadline = time.monotonic() + timeout_s
         for task, share in self.cfg.controller.tasks.items():
@@ -116,6 +117,7 @@ class Controller:
                     await asyncio.sleep(0.5)
             if not out[task]:
                 raise RuntimeError(f"env service for task {task!r} has no training tasks")
+            out[task] = out[task][: self.cfg.controller.train_limit or None]
         return out
 
     async def publish_jobs(self, stop: asyncio.Event) -> None:

@@ -7,6 +7,7 @@ Figures for one pass (greedy, or ``k`` samples per task at a temperature):
 * ``pass@k`` (sampled passes): the unbiased estimator of Chen et al. 2021, ``1 - C(n-c, k) / C(n, k)``
   per task with ``n`` samples of which ``c`` succeeded, averaged over tasks;
 * ``well_formed_rate``: share of turns whose tool call the env accepted (1 - invalid actions / turns);
+* ``per_task_success``: each task id's mean success (a benchmark pairs two reports on these);
 * ``mean_reward``, ``mean_turns``, ``statuses``, and the same success / well-formed figures ``by_level``
   and ``by_kind`` (as the env reports them for each task).
 """
@@ -80,6 +81,8 @@ def task_report(trajs: list[Trajectory], samples: int) -> dict[str, Any]:
         "statuses": {s: sum(t.status == s for t in trajs) for s in sorted({t.status for t in trajs})},
         "by_level": _breakdown(trajs, "level"),
         "by_kind": _breakdown(trajs, "task_kind"),
+        # per task id: mean success over its episodes (two reports on the same tasks pair up on these)
+        "per_task_success": {tid: sum(t.success for t in ts) / len(ts) for tid, ts in sorted(by_task_id.items())},
     }
     if samples > 1:
         usable = [ts for ts in per_task if len(ts) >= samples]
