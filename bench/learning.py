@@ -261,7 +261,7 @@ def table(results: dict[str, Any], tasks: list[str], splits: list[str]) -> str:
             n_tasks = {t: task_report(base, pass_name, t)["tasks"] for t in tasks if task_report(base, pass_name, t)}
             head = " | ".join(f"{t} (n={n_tasks.get(t, '?')})" for t in tasks)
             lines += [f"**{split} split, {pass_name}**: success per task [95 % bootstrap interval over tasks]", "",
-                      f"| policy | {head} | mean of tasks | RL wall time |", "|---|" + "---|" * len(tasks) + "---|---|"]
+                      f"| policy | {head} | mean of tasks | wall time (SFT / RL) |", "|---|" + "---|" * len(tasks) + "---|---|"]
             for label in ["warm_start", *labels]:
                 rep = evals.get(f"{label}@{split}", {}).get("report")
                 vals = [success(rep, t, pass_name) for t in tasks]
@@ -281,7 +281,27 @@ def table(results: dict[str, Any], tasks: list[str], splits: list[str]) -> str:
                 cells = " | ".join(_delta_cell(paired_delta(before[t], after[t])) for t in tasks)
                 lines.append(f"| {label} | {cells} | {_delta_cell(mean_delta(before, after))} |")
             lines.append("")
-    return "\n".join(lines)
+    return "\n".join(lines + training_table(results))
+
+
+def training_table(results: dict[str, Any]) -> list[str]:
+    """Per RL run, from its metrics.jsonl: steps, wall time per step, trained episodes, and how many trained
+    tokens had their advantage's sign changed by task normalisation (0 by construction with ``scale``)."""
+    out = Path(results.get("out", ""))
+    lines = ["Training runs (from each run's metrics.jsonl):", "",
+             "| run | steps | median s/step | episodes trained | tokens trained | advantage signs flipped by task norm |",
+             "|---|---|---|---|---|---|"]
+    for name in results["runs"]:
+        rows = read_metrics(out / name)
+        if name == "sft" or not rows:
+            continue
+        gaps = sorted(b["ts"] - a["ts"] for a, b in zip(rows, rows[1:], strict=False))
+        median = f"{gaps[len(gaps) // 2]:.1f}" if gaps else "–"
+        episodes = int(sum(r.get("train/trajectories", 0) for r in rows))
+        tokens = int(sum(r.get("train/tokens", 0) for r in rows))
+        flipped = int(sum(r.get("train/adv_sign_flipped", 0) for r in rows))
+        lines.append(f"| {name} | {len(rows)} | {median} | {episodes} | {tokens} | {flipped} |")
+    return lines + [""]
 
 
 def plots(results: dict[str, Any], out: Path, docs: Path, tasks: list[str], prefix: str) -> list[Path]:
@@ -399,6 +419,7 @@ def main(argv: list[str] | None = None) -> int:
         if not tasks:
             raise SystemExit("no usable task")
         bench.results["tasks"] = tasks
+        bench.results["out"] = str(bench.out)
         bench.save()
         started = time.monotonic()
         warm = bench.warm_start(tasks)

@@ -9,7 +9,16 @@ asynchronous pipeline still varies, so runs differ.
 
 The margin below held in 5 of 5 local repetitions on this 2-core machine (sampled success on the 16
 training tasks, warm start -> after RL; well-formed tool calls in brackets; wall time of the test):
-REPETITIONS
+
+    1. 0.250 -> 0.531 (+28.1 points) [0.820 -> 0.889]  8.7 min  (this run probed from the test itself,
+       with the same settings, before the probes moved into the quickstart)
+    2. 0.281 -> 0.448 (+16.7 points) [0.905 -> 0.814]  9.6 min
+    3. 0.260 -> 0.490 (+23.0 points) [0.901 -> 0.881]  9.3 min
+    4. 0.240 -> 0.438 (+19.8 points) [0.874 -> 0.813]  9.0 min
+    5. 0.260 -> 0.417 (+15.7 points) [0.888 -> 0.798]  8.8 min
+
+The smallest gain was 15.7 points; the margin is half of it. Well-formed calls per turn fell in four of
+the five runs while success rose (not yet understood; docs/benchmarks/learning.md, round 5).
 """
 
 from __future__ import annotations
