@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import urllib.request
 from pathlib import Path
 
@@ -147,6 +148,12 @@ def test_killed_rollout_replica_job_is_redelivered_and_counted_once(config: JetR
         killed, episode_id = asyncio.run(kill_first_actor())
         assert procs[killed].wait(timeout=10) == -signal.SIGKILL
         assert procs["trainer"].wait(timeout=400) == 0, (run_dir / "logs" / "trainer.log").read_text()[-3000:]
+        # The trainer may finish its steps on other groups before the redelivered job (ack wait 4 s) is
+        # played again; the replicas keep serving it, so wait for it before stopping them.
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not any(
+                t.episode_id == episode_id for t in asyncio.run(read_stream(cfg, subjects.traj(">"), Trajectory))):
+            time.sleep(1.0)
         status = json.load(urllib.request.urlopen((run_dir / "controller.url").read_text().strip() + "/status",
                                                   timeout=5))
     finally:
