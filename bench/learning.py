@@ -151,7 +151,8 @@ class Bench:
             run_dir = self.out / f"eval-{label}-{split}"
             cmd = [*self.base("probe"), f"--run.dir={run_dir}", f"--model.name={model}", tasks_arg(tasks),
                    f"--controller.eval_split={split}", f"--controller.eval_limit={self.args.eval_limit}",
-                   f"--controller.eval_samples={self.args.eval_samples}", f"--rollouts={self.args.rollouts}"]
+                   f"--controller.eval_samples={self.args.eval_samples}", f"--rollouts={self.args.rollouts}",
+                   "--rollout.torch_threads=2"]  # generation alone: both cores
             res = run_cmd(cmd, self.out / f"eval-{label}-{split}.log", self.limit_s)
             report_file = run_dir / "eval.json"
             res["report"] = json.loads(report_file.read_text()) if report_file.exists() and res["rc"] == 0 else None
@@ -289,7 +290,7 @@ def training_table(results: dict[str, Any]) -> list[str]:
     tokens had their advantage's sign changed by task normalisation (0 by construction with ``scale``)."""
     out = Path(results.get("out", ""))
     lines = ["Training runs (from each run's metrics.jsonl):", "",
-             "| run | steps | median s/step | episodes trained | tokens trained | advantage signs flipped by task norm |",
+             "| run | steps | median s/step | episodes trained | `train/tokens` | advantage signs flipped by task norm |",
              "|---|---|---|---|---|---|"]
     for name in results["runs"]:
         rows = read_metrics(out / name)
