@@ -209,14 +209,16 @@ def success(report: dict[str, Any] | None, task: str, pass_name: str = "greedy")
 
 def paired_delta(before: dict[str, float], after: dict[str, float], seed: int = 0) -> tuple[float, float, float]:
     """Mean change of per-task success over the tasks both probes ran, with a 95 % percentile interval
-    from resampling those tasks (paired: a task's before and after stay together)."""
+    from resampling those tasks (paired: a task's before and after stay together); the eval report's own
+    bootstrap, over one difference per task."""
+    from services.controller.report import bootstrap_interval
+
     common = sorted(set(before) & set(after))
     if not common:
         return (float("nan"), float("nan"), float("nan"))
-    diffs = [after[t] - before[t] for t in common]
-    rng = random.Random(seed)
-    means = sorted(sum(diffs[rng.randrange(len(diffs))] for _ in diffs) / len(diffs) for _ in range(RESAMPLES))
-    return (sum(diffs) / len(diffs), means[int(0.025 * RESAMPLES)], means[int(0.975 * RESAMPLES) - 1])
+    diffs = [[after[t] - before[t]] for t in common]
+    lo, hi = bootstrap_interval(diffs, resamples=RESAMPLES, seed=seed)
+    return (sum(d[0] for d in diffs) / len(diffs), lo, hi)
 
 
 def mean_delta(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]],
