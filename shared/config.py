@@ -214,6 +214,8 @@ class RolloutConfig:
     prefill_chunk: int = opt(512, "continuous engine: prompt tokens encoded per step (decoding never waits longer)")
     kv_cache_tokens: int = opt(65536, "continuous engine: tokens of KV cache kept for later turns and shared "
                                       "prefixes (~46 KB each for SmolLM2 in fp32)")
+    kv_slot_tokens: int = opt(1024, "continuous engine: tokens of a sequence's own growing KV tail (one slot each; "
+                                    "a full tail is sealed into a segment)")
     # scale-out (services/rollout/vllm_engine.py): engine = "vllm" needs vllm (its own venv: make venv-vllm)
     device: str = opt("cpu", "hf engine device: cpu | cuda (vllm picks its own platform)")
     vllm_dtype: str = opt("auto", "vllm: weights/compute dtype: auto (the checkpoint's) | float32 | bfloat16")

@@ -66,15 +66,16 @@ async def test_sampled_logprobs_are_exact_for_what_was_sampled(setup) -> None:
                                    rtol=1e-5, atol=1e-4)
 
 
-async def test_turns_extend_the_cache_and_a_group_copies_its_opening(setup) -> None:
+async def test_turns_extend_the_cache_and_a_group_shares_its_opening(setup) -> None:
     engine = ContinuousEngine(setup["path"], "c", setup["stop"], seed=5)
     group = prompts(4, seed=4, shared=120)  # four episodes of one task: a long common opening
     try:
         first = await asyncio.gather(*[engine.generate(p, 6, 1.0) for p in group])
         after_first = engine.stats.prefilled_tokens
-        # the opening is encoded once; the others copy it and encode only their own few tokens
+        # the opening is encoded once; the others attend to it by reference and encode only their own tokens
         assert after_first < sum(len(p) for p in group) - 2 * 120
-        assert engine.stats.copied_prefix_tokens >= 3 * 120
+        assert engine.stats.shared_prefix_tokens >= 3 * 120
+        assert engine.stats.sealed_tokens <= 2 * 120  # the opening's keys/values are copied once, not per episode
         second_prompts = [p + g.tokens + [11, 12, 13] for p, g in zip(group, first, strict=True)]
         second = await asyncio.gather(*[engine.generate(p, 6, 1.0) for p in second_prompts])
         # the next turn encodes only the last sampled token and the three observation tokens
@@ -118,3 +119,25 @@ async def test_a_prompt_beyond_the_context_fails_alone(setup) -> None:
     finally:
         engine.close()
     assert 0 < len(ok.tokens) <= 8
+
+
+async def test_small_tail_slots_seal_segments_and_evict_without_changing_logprobs(setup) -> None:
+    """Tails of 32 tokens: long prompts and turns are sealed into segments as they fill, a pool of few
+    slots evicts idle sequences, groups still share their opening; every logprob stays exact."""
+    engine = ContinuousEngine(setup["path"], "c", setup["stop"], seed=9, slot_tokens=32, prefill_chunk=16,
+                              max_batch=6, cache_tokens=7 * 32)
+    groups = [prompts(3, seed=10 + g, shared=90) for g in range(2)]  # two tasks, three episodes each
+    try:
+        flat = [p for group in groups for p in group]
+        first = await asyncio.gather(*[engine.generate(p, 40, 1.0) for p in flat])
+        # each later episode shares the opening at least up to the 16-token chunk its leader was encoding
+        assert engine.stats.shared_prefix_tokens >= 2 * 2 * (90 - 15) and engine.stats.sealed_tokens > 0
+        second_prompts = [p + g.tokens + [21, 22, 23, 24, 25] for p, g in zip(flat, first, strict=True)]
+        second = await asyncio.gather(*[engine.generate(p, 40, 1.0) for p in second_prompts])
+        assert len(engine.sequences) <= engine.pool.max_slots
+    finally:
+        engine.close()
+    for p, g in zip(flat + second_prompts, first + second, strict=True):
+        assert len(g.tokens) == len(g.logprobs) > 0
+        torch.testing.assert_close(torch.tensor(g.logprobs), teacher_forced(setup["model"], p, g.tokens),
+                                   rtol=1e-5, atol=1e-4)

@@ -36,6 +36,7 @@ async def main(argv: list[str]) -> None:
         engine = ContinuousEngine(model_path, engine_id, [tokenizer.convert_tokens_to_ids("<|im_end|>")],
                                   threads=cfg.rollout.torch_threads, max_batch=cfg.rollout.max_batch,
                                   prefill_chunk=cfg.rollout.prefill_chunk, cache_tokens=cfg.rollout.kv_cache_tokens,
+                                  slot_tokens=cfg.rollout.kv_slot_tokens,
                                   max_context=cfg.rollout.max_context_tokens, seed=cfg.run.seed,
                                   device=cfg.rollout.device)
     elif cfg.rollout.engine == "hf":

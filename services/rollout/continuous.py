@@ -40,33 +40,95 @@ from shared.model import load_model, load_weights_into
 log = structlog.get_logger()
 
 MIN_SHARED_PREFIX = 16
-"""Shorter common prefixes are recomputed rather than copied (not worth a cache lookup)."""
+"""Shorter common prefixes are recomputed rather than shared (not worth a cache lookup)."""
 
 
-class SequenceCache:
-    """Keys and values of one token sequence, every layer, computed by one policy version."""
+class Segment:
+    """Sealed keys/values of a run of tokens, every layer. Never written again, so any number of sequences
+    attend to it by reference: a group's opening is one segment that its episodes share."""
 
-    def __init__(self, lm: PackedLM, capacity: int, version: int) -> None:
-        self.kv = torch.empty((lm.num_layers, 2, capacity, lm.num_kv_heads, lm.head_dim), dtype=lm.dtype)
-        self.tokens = np.zeros(capacity, dtype=np.int64)
-        self.length = 0  # tokens whose keys/values are in ``kv``
+    __slots__ = ("kv", "tokens", "root")
+
+    def __init__(self, kv: torch.Tensor, tokens: np.ndarray, root: Segment | None = None) -> None:
+        self.kv = kv  # [layers, 2, kv_heads, length, head_dim]
+        self.tokens = tokens
+        self.root = root if root is not None else self  # views of one segment attend together
+
+    @property
+    def length(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def key(self) -> tuple[int, int]:
+        return id(self.root), self.length
+
+    def prefix(self, n: int) -> Segment:
+        if n == self.length:
+            return self
+        return Segment(self.kv[:, :, :, :n], self.tokens[:n], self.root)
+
+
+class TailPool:
+    """The growing ends ("tails") of sequences, one slot each, all in one tensor: a decoding step attends to
+    the tails of every running sequence in one batched matmul instead of one call per sequence.
+
+    Slots are zero-initialised and only ever hold finite keys/values, so the masked-out positions of a
+    batched attention contribute exactly 0. The pool grows (doubling) up to ``max_slots``."""
+
+    def __init__(self, lm: PackedLM, slot_tokens: int, max_slots: int) -> None:
+        self.slot_tokens = slot_tokens
+        self.max_slots = max_slots
+        size = min(8, max_slots)
+        self.kv = torch.zeros((lm.num_layers, 2, size, lm.num_kv_heads, slot_tokens, lm.head_dim), dtype=lm.dtype)
+        self.free = list(range(size))
+
+    def take(self) -> int | None:
+        if not self.free and self.kv.shape[2] < self.max_slots:
+            size = self.kv.shape[2]
+            grown = min(2 * size, self.max_slots)
+            kv = torch.zeros((*self.kv.shape[:2], grown, *self.kv.shape[3:]), dtype=self.kv.dtype)
+            kv[:, :, :size] = self.kv
+            self.kv = kv
+            self.free = list(range(size, grown))
+        if not self.free:
+            return None
+        self.free.sort(reverse=True)  # lowest slot first: a step's batched attention spans fewer slots
+        return self.free.pop()
+
+    def give(self, slot: int) -> None:
+        self.free.append(slot)
+
+    def reset(self) -> None:
+        self.free = list(range(self.kv.shape[2]))
+
+
+class Sequence:
+    """The keys/values of one token sequence, computed by one policy version: sealed segments (possibly
+    shared with other sequences) followed by this sequence's own tail slot."""
+
+    def __init__(self, slot: int, chain: list[Segment], tokens: np.ndarray, version: int) -> None:
+        self.slot = slot
+        self.chain = chain
+        self.chain_length = sum(s.length for s in chain)
+        self.tail_length = 0
+        self.tokens = np.zeros(max(64, 2 * len(tokens)), dtype=np.int64)  # every token, for prefix matching
+        self.tokens[: self.chain_length] = tokens[: self.chain_length]
         self.version = version
-        self.busy = False  # owned by a running request (it may grow); others may still copy its prefix
+        self.busy = False  # owned by a running request (it may grow); others may still share its prefix
         self.last_used = time.monotonic()
 
     @property
-    def capacity(self) -> int:
-        return self.kv.shape[2]
+    def length(self) -> int:
+        return self.chain_length + self.tail_length
 
-    def reserve(self, needed: int) -> None:
-        if needed <= self.capacity:
-            return
-        capacity = max(needed, 2 * self.capacity)
-        kv = torch.empty((*self.kv.shape[:2], capacity, *self.kv.shape[3:]), dtype=self.kv.dtype)
-        kv[:, :, : self.length] = self.kv[:, :, : self.length]
-        tokens = np.zeros(capacity, dtype=np.int64)
-        tokens[: self.length] = self.tokens[: self.length]
-        self.kv, self.tokens = kv, tokens
+    def append_tokens(self, tokens: list[int]) -> None:
+        end = self.length + len(tokens)
+        if end > len(self.tokens):
+            grown = np.zeros(2 * end, dtype=np.int64)
+            grown[: self.length] = self.tokens[: self.length]
+            self.tokens = grown
+        self.tokens[self.length: end] = tokens
+        self.tail_length += len(tokens)
 
     def common_prefix(self, prompt: np.ndarray) -> int:
         m = min(self.length, len(prompt))
@@ -75,20 +137,24 @@ class SequenceCache:
         same = self.tokens[:m] == prompt[:m]
         return m if same.all() else int(same.argmin())
 
-    def copy_prefix(self, lm: PackedLM, length: int, capacity: int) -> SequenceCache:
-        out = SequenceCache(lm, max(capacity, length), self.version)
-        out.kv[:, :, :length] = self.kv[:, :, :length]
-        out.tokens[:length] = self.tokens[:length]
-        out.length = length
+    def chain_prefix(self, n: int) -> list[Segment]:
+        """The segments that hold this sequence's first ``n <= chain_length`` tokens (the last one a view)."""
+        out, covered = [], 0
+        for seg in self.chain:
+            if covered >= n:
+                break
+            take = min(seg.length, n - covered)
+            out.append(seg.prefix(take))
+            covered += take
         return out
 
 
 @dataclass
 class Running:
-    """A request being served: its cache, the prompt tokens it has still to feed, what it sampled."""
+    """A request being served: its sequence, the prompt tokens it has still to feed, what it sampled."""
 
     req: Request
-    cache: SequenceCache
+    seq: Sequence
     to_feed: list[int]
     version: int
     tokens: list[int] = field(default_factory=list)
@@ -105,28 +171,53 @@ class EngineStats:
     prompt_tokens: int = 0  # tokens of prompts that requests brought
     prefilled_tokens: int = 0  # of those, tokens actually encoded (the rest came from caches)
     sampled_tokens: int = 0
-    copied_prefix_tokens: int = 0
+    shared_prefix_tokens: int = 0  # prompt tokens a request took by reference from another sequence's keys/values
+    sealed_tokens: int = 0  # tokens whose keys/values were copied once into a shared segment
     waited_for_shared_prefix: int = 0
     fed_tokens: int = 0  # rows of every step (prompt chunks and decoded tokens): fed_tokens / steps = batch
     busy_s: float = 0.0  # time in forward passes and sampling
 
 
+@dataclass
+class DecodePlan:
+    """Index tensors of one step's decoding rows (one new token each), built once and used by every layer."""
+
+    rows: torch.Tensor  # rows of the packed batch
+    slots: torch.Tensor  # their tail slots
+    positions: torch.Tensor  # where in its tail each row's key/value is written
+    first_slot: int
+    local_slots: torch.Tensor  # slots - first_slot
+    tail_mask: torch.Tensor  # [slots in range, 1, 1, longest tail]: 0 where a slot's tail is, -inf after
+    segments: list[tuple[Segment, torch.Tensor]]  # each shared segment and the decoding rows (local) that see it
+
+
+@dataclass
+class PrefillFeed:
+    """A sequence reading a chunk of its prompt this step: rows ``start:end`` of the packed batch."""
+
+    seq: Sequence
+    start: int
+    end: int
+
+
 class ContinuousEngine(QueuedEngine):
     def __init__(self, model_path: Any, engine_id: str, stop_token_ids: list[int], *, threads: int = 1,
                  max_batch: int = 64, prefill_chunk: int = 512, cache_tokens: int = 65536,
-                 max_context: int = 8192, seed: int = 0, device: str = "cpu") -> None:
+                 slot_tokens: int = 1024, max_context: int = 8192, seed: int = 0, device: str = "cpu") -> None:
         torch.set_num_threads(threads)
         self.model = load_model(model_path, device=device).eval().requires_grad_(False)
         fuse_projections(self.model)
         self.lm = PackedLM(self.model)
         self.stop_token_ids = set(stop_token_ids)
         self.max_batch = max_batch
-        self.prefill_chunk = prefill_chunk
+        self.prefill_chunk = min(prefill_chunk, slot_tokens)  # a chunk always fits in a tail slot
         self.cache_tokens = cache_tokens  # resident KV budget, in tokens (~46 KB each for SmolLM2 in fp32)
         self.max_context = max_context
         self.stats = EngineStats()
         self.generator = torch.Generator().manual_seed(zlib.crc32(f"{engine_id}/{seed}".encode()))
-        self.caches: list[SequenceCache] = []
+        # every running sequence holds a slot; idle ones (between turns) keep theirs until evicted
+        self.pool = TailPool(self.lm, slot_tokens, max_slots=max(max_batch + 1, cache_tokens // slot_tokens))
+        self.sequences: list[Sequence] = []
         self._start(engine_id)
 
     # ------------------------------------------------------------------ worker thread
@@ -165,8 +256,7 @@ class ContinuousEngine(QueuedEngine):
                 except Exception as exc:  # fail what was running, keep the engine
                     log.exception("engine_step_failed")
                     for r in running:
-                        r.cache.busy = False
-                        self.caches = [c for c in self.caches if c is not r.cache]
+                        self._drop(r.seq)
                         r.req.fail(exc)
                     running.clear()
 
@@ -177,7 +267,8 @@ class ContinuousEngine(QueuedEngine):
             update.fail(exc)
             return
         self.policy_version = update.version
-        self.caches.clear()  # their keys/values were computed by the old weights
+        self.sequences.clear()  # their keys/values were computed by the old weights
+        self.pool.reset()
         update.done()
 
     # ------------------------------------------------------------------ admission
@@ -193,55 +284,106 @@ class ContinuousEngine(QueuedEngine):
                                     f"the engine's max_context {self.max_context}"))
                 continue
             prompt = np.asarray(req.prompt, dtype=np.int64)
-            best, shared = self._best_cache(prompt)
-            # Another request is encoding a longer common prefix right now: copy it when it is done.
+            best, shared = self._best_sequence(prompt)
+            # Another request is encoding a longer common prefix right now: share it when it is done.
             if any(r.reading_prompt and _common(r.req.prompt, prompt) >= shared + MIN_SHARED_PREFIX for r in running):
                 self.stats.waited_for_shared_prefix += 1
                 still.append(req)
                 continue
-            running.append(self._start_request(req, prompt, best, shared))
+            started = self._start_request(req, prompt, best, shared)
+            if started is None:  # every slot is held by a running sequence: wait for one to finish
+                still.append(req)
+                continue
+            running.append(started)
         return still
 
-    def _best_cache(self, prompt: np.ndarray) -> tuple[SequenceCache | None, int]:
+    def _best_sequence(self, prompt: np.ndarray) -> tuple[Sequence | None, int]:
         best, shared = None, 0
-        for cache in self.caches:
-            n = cache.common_prefix(prompt)
-            # prefer a cache this request can take over (idle, wholly a prefix of the prompt): no copy
-            if n > shared or (n == shared and best is not None and n == cache.length and not cache.busy):
-                best, shared = cache, n
+        for seq in self.sequences:
+            n = seq.common_prefix(prompt)
+            # prefer a sequence this request can take over (idle, wholly a prefix of the prompt): no new slot
+            if n > shared or (n == shared and best is not None and n == seq.length and not seq.busy):
+                best, shared = seq, n
         return best, shared
 
-    def _start_request(self, req: Request, prompt: np.ndarray, best: SequenceCache | None,
-                       shared: int) -> Running:
+    def _start_request(self, req: Request, prompt: np.ndarray, best: Sequence | None,
+                       shared: int) -> Running | None:
         shared = min(shared, len(prompt) - 1)  # the last prompt token is always fed: it yields the first logits
-        capacity = len(prompt) + req.max_new_tokens
         if best is not None and not best.busy and shared >= best.length - 1 and shared >= MIN_SHARED_PREFIX:
-            cache = best  # the episode's previous turn: extend it in place
-            cache.length = shared
-            cache.reserve(capacity)
-        elif best is not None and shared >= MIN_SHARED_PREFIX:
-            cache = best.copy_prefix(self.lm, shared, capacity)
-            self.stats.copied_prefix_tokens += shared
-            self.caches.append(cache)
+            seq = best  # the episode's previous turn: extend it in place
+            self._truncate(seq, shared)
         else:
-            shared = 0
-            cache = SequenceCache(self.lm, capacity, self.policy_version)
-            self.caches.append(cache)
-        cache.busy = True
-        cache.last_used = time.monotonic()
+            chain: list[Segment] = []
+            if best is not None and shared >= MIN_SHARED_PREFIX:
+                chain = self._share(best, shared)
+                self.stats.shared_prefix_tokens += shared
+            else:
+                shared = 0
+            slot = self._take_slot()
+            if slot is None:
+                return None
+            seq = Sequence(slot, chain, prompt, self.policy_version)
+            self.sequences.append(seq)
+        seq.busy = True
+        seq.last_used = time.monotonic()
         self.stats.prompt_tokens += len(prompt)
         self._evict()
-        return Running(req, cache, prompt[shared:].tolist(), self.policy_version)
+        return Running(req, seq, prompt[shared:].tolist(), self.policy_version)
+
+    def _share(self, source: Sequence, n: int) -> list[Segment]:
+        """Segments holding ``source``'s first ``n`` tokens, for another sequence to attend to by reference.
+        Tokens still in ``source``'s tail are sealed into a segment first (copied once; ``source`` then
+        attends to that segment too, and its tail keeps only what follows)."""
+        if n > source.chain_length:
+            self._seal(source, n - source.chain_length)
+        return source.chain_prefix(n)
+
+    def _seal(self, seq: Sequence, n: int) -> None:
+        """Move the first ``n`` tokens of ``seq``'s tail into a new sealed segment at the end of its chain."""
+        kv = self.pool.kv[:, :, seq.slot, :, :n].clone()
+        start = seq.chain_length
+        seq.chain.append(Segment(kv, seq.tokens[start: start + n].copy()))
+        rest = seq.tail_length - n
+        if rest:
+            self.pool.kv[:, :, seq.slot, :, :rest] = self.pool.kv[:, :, seq.slot, :, n: n + rest].clone()
+        seq.chain_length += n
+        seq.tail_length = rest
+        self.stats.sealed_tokens += n
+
+    @staticmethod
+    def _truncate(seq: Sequence, n: int) -> None:
+        if n >= seq.chain_length:
+            seq.tail_length = n - seq.chain_length
+        else:  # the new prompt leaves this sequence inside its sealed segments
+            seq.chain = seq.chain_prefix(n)
+            seq.chain_length, seq.tail_length = n, 0
+
+    def _take_slot(self) -> int | None:
+        slot = self.pool.take()
+        if slot is None:  # the pool is at its size: evict the least recently used idle sequence
+            idle = sorted((s for s in self.sequences if not s.busy), key=lambda s: s.last_used)
+            if not idle:
+                return None
+            self._drop(idle[0])
+            slot = self.pool.take()
+        return slot
+
+    def _drop(self, seq: Sequence) -> None:
+        if seq in self.sequences:
+            self.sequences.remove(seq)
+            self.pool.give(seq.slot)
 
     def _evict(self) -> None:
-        """Drop least recently used idle caches beyond the resident budget."""
-        total = sum(c.capacity for c in self.caches)
-        if total <= self.cache_tokens:
+        """Drop least recently used idle sequences beyond the resident budget (tail slots + sealed segments)."""
+        def resident() -> int:
+            roots = {id(seg.root): seg.root.length for seq in self.sequences for seg in seq.chain}
+            return len(self.sequences) * self.pool.slot_tokens + sum(roots.values())
+
+        if resident() <= self.cache_tokens:
             return
-        for cache in sorted((c for c in self.caches if not c.busy), key=lambda c: c.last_used):
-            self.caches.remove(cache)
-            total -= cache.capacity
-            if total <= self.cache_tokens:
+        for seq in sorted((s for s in self.sequences if not s.busy), key=lambda s: s.last_used):
+            self._drop(seq)
+            if resident() <= self.cache_tokens:
                 break
 
     # ------------------------------------------------------------------ one step
@@ -252,44 +394,123 @@ class ContinuousEngine(QueuedEngine):
         feeds: list[tuple[Running, list[int]]] = []
         for r in running:
             if len(r.to_feed) == 1:
-                feeds.append((r, r.to_feed))
+                chunk = r.to_feed
             elif budget > 0:  # prompt chunks share the budget; decoding sequences always advance
                 chunk = r.to_feed[:budget]
                 budget -= len(chunk)
-                feeds.append((r, chunk))
+            else:
+                continue
+            if r.seq.tail_length + len(chunk) > self.pool.slot_tokens:  # a full tail becomes a segment
+                self._seal(r.seq, r.seq.tail_length)
+            feeds.append((r, chunk))
         ids = torch.tensor([t for _, chunk in feeds for t in chunk])
-        positions = torch.cat([torch.arange(r.cache.length, r.cache.length + len(chunk)) for r, chunk in feeds])
+        positions = torch.cat([torch.arange(r.seq.length, r.seq.length + len(chunk)) for r, chunk in feeds])
         rows = np.cumsum([0] + [len(chunk) for _, chunk in feeds])
-        lm = self.lm
+        decode = self._decode_plan([(r.seq, int(a)) for (r, chunk), a in zip(feeds, rows[:-1], strict=True)
+                                    if len(chunk) == 1])
+        prefill = [PrefillFeed(r.seq, int(a), int(b)) for (r, chunk), a, b in zip(feeds, rows[:-1], rows[1:],
+                                                                                 strict=True) if len(chunk) > 1]
+        total = int(rows[-1])
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            out = []
-            for (r, _), a, b in zip(feeds, rows[:-1], rows[1:], strict=True):
-                kv, n0 = r.cache.kv[layer], r.cache.length
-                kv[0, n0: n0 + b - a] = k[a:b]
-                kv[1, n0: n0 + b - a] = v[a:b]
-                out.append(lm.attention(q[a:b], kv[0, : n0 + b - a], kv[1, : n0 + b - a], n0))
-            return torch.cat(out)
+            out = q.new_empty((total, self.lm.num_heads * self.lm.head_dim))
+            if decode is not None:
+                out[decode.rows] = self._decode_attention(layer, decode, q, k, v)
+            for feed in prefill:
+                out[feed.start: feed.end] = self._prefill_attention(layer, feed, q, k, v)
+            return out
 
-        hidden = lm.hidden(ids, positions, attend)
+        hidden = self.lm.hidden(ids, positions, attend)
         sampling: list[tuple[Running, int]] = []
         for (r, chunk), b in zip(feeds, rows[1:], strict=True):
-            cache = r.cache
-            cache.tokens[cache.length: cache.length + len(chunk)] = chunk
-            cache.length += len(chunk)
+            r.seq.append_tokens(chunk)
             r.to_feed = r.to_feed[len(chunk):]
             if r.reading_prompt:
                 self.stats.prefilled_tokens += len(chunk)
             if not r.to_feed:  # the whole prompt (or the last sampled token) is in: sample the next token
                 sampling.append((r, int(b) - 1))
         self.stats.steps += 1
-        self.stats.fed_tokens += int(rows[-1])
+        self.stats.fed_tokens += total
         if sampling:
             self._sample(sampling, hidden)
         self.stats.busy_s += time.perf_counter() - started
         for r in [r for r, _ in sampling]:
             if self._finished(r):
                 running.remove(r)
+
+    def _decode_plan(self, decoding: list[tuple[Sequence, int]]) -> DecodePlan | None:
+        if not decoding:
+            return None
+        slots = [seq.slot for seq, _ in decoding]
+        first, last = min(slots), max(slots)
+        lengths = torch.ones(last - first + 1, dtype=torch.long)  # slots in range that do not decode: see 1
+        for seq, _ in decoding:
+            lengths[seq.slot - first] = seq.tail_length + 1
+        longest = int(lengths.max())
+        mask = torch.zeros((len(lengths), longest), dtype=self.lm.dtype)
+        mask.masked_fill_(torch.arange(longest)[None, :] >= lengths[:, None], float("-inf"))
+        by_segment: dict[tuple[int, int], tuple[Segment, list[int]]] = {}
+        for i, (seq, _) in enumerate(decoding):
+            for seg in seq.chain:
+                by_segment.setdefault(seg.key, (seg, []))[1].append(i)
+        slot_index = torch.tensor(slots)
+        return DecodePlan(rows=torch.tensor([row for _, row in decoding]), slots=slot_index,
+                          positions=torch.tensor([seq.tail_length for seq, _ in decoding]), first_slot=first,
+                          local_slots=slot_index - first, tail_mask=mask.view(len(lengths), 1, 1, longest),
+                          segments=[(seg, torch.tensor(idx)) for seg, idx in by_segment.values()])
+
+    def _decode_attention(self, layer: int, plan: DecodePlan, q: torch.Tensor, k: torch.Tensor,
+                          v: torch.Tensor) -> torch.Tensor:
+        """One new token per sequence attends to its shared segments and its own tail. Each segment is read
+        once for all the rows that share it (a group's opening: once, not once per episode), every tail in
+        one batched matmul; the parts are merged exactly through their log-sum-exp."""
+        lm = self.lm
+        kv_heads, rep, d = lm.num_kv_heads, lm.num_heads // lm.num_kv_heads, lm.head_dim
+        pool = self.pool.kv[layer]  # [2, slots, kv_heads, slot_tokens, d]
+        pool[0, plan.slots, :, plan.positions] = k[plan.rows]
+        pool[1, plan.slots, :, plan.positions] = v[plan.rows]
+        rows = len(plan.rows)
+        qd = q[plan.rows].view(rows, kv_heads, rep, d)
+        span = plan.tail_mask.shape[0]
+        longest = plan.tail_mask.shape[-1]
+        keys = pool[0, plan.first_slot: plan.first_slot + span, :, :longest]
+        values = pool[1, plan.first_slot: plan.first_slot + span, :, :longest]
+        qs = q.new_zeros((span, kv_heads, rep, d))
+        qs[plan.local_slots] = qd
+        scores = torch.matmul(qs, keys.transpose(-1, -2)).mul_(lm.scale).add_(plan.tail_mask)
+        lse = torch.logsumexp(scores, dim=-1, keepdim=True)
+        out = torch.matmul(torch.exp(scores - lse), values)[plan.local_slots]  # [rows, kv_heads, rep, d]
+        lse = lse[plan.local_slots]
+        for seg, idx in plan.segments:
+            g = len(idx)
+            seg_keys, seg_values = seg.kv[layer, 0], seg.kv[layer, 1]  # [kv_heads, length, d]
+            qg = qd[idx].permute(1, 0, 2, 3).reshape(kv_heads, g * rep, d)
+            s = torch.matmul(qg, seg_keys.transpose(-1, -2)).mul_(lm.scale)
+            lse_g = torch.logsumexp(s, dim=-1, keepdim=True)
+            out_g = torch.matmul(torch.exp(s - lse_g), seg_values)
+            out_g = out_g.view(kv_heads, g, rep, d).permute(1, 0, 2, 3)
+            lse_g = lse_g.view(kv_heads, g, rep, 1).permute(1, 0, 2, 3)
+            lse_a = lse[idx]
+            top = torch.maximum(lse_a, lse_g)
+            w_a, w_g = torch.exp(lse_a - top), torch.exp(lse_g - top)
+            norm = w_a + w_g
+            out[idx] = (out[idx] * w_a + out_g * w_g) / norm
+            lse[idx] = top + torch.log(norm)
+        return out.reshape(rows, lm.num_heads * d)
+
+    def _prefill_attention(self, layer: int, feed: PrefillFeed, q: torch.Tensor, k: torch.Tensor,
+                           v: torch.Tensor) -> torch.Tensor:
+        """A prompt chunk attends causally to everything before it: its segments and its tail (rarer than
+        decoding, so the keys/values are simply concatenated)."""
+        seq, n = feed.seq, feed.end - feed.start
+        pool = self.pool.kv[layer]
+        t0 = seq.tail_length
+        pool[0, seq.slot, :, t0: t0 + n] = k[feed.start: feed.end].transpose(0, 1)
+        pool[1, seq.slot, :, t0: t0 + n] = v[feed.start: feed.end].transpose(0, 1)
+        keys = torch.cat([seg.kv[layer, 0] for seg in seq.chain] + [pool[0, seq.slot, :, : t0 + n]], dim=1)
+        values = torch.cat([seg.kv[layer, 1] for seg in seq.chain] + [pool[1, seq.slot, :, : t0 + n]], dim=1)
+        return self.lm.attention(q[feed.start: feed.end], keys.transpose(0, 1), values.transpose(0, 1),
+                                 seq.length)
 
     def _sample(self, sampling: list[tuple[Running, int]], hidden: torch.Tensor) -> None:
         logits = self.lm.logits(hidden[[row for _, row in sampling]])
@@ -312,12 +533,12 @@ class ContinuousEngine(QueuedEngine):
         last = r.tokens[-1]
         if last in self.stop_token_ids:
             finish = "stop"
-        elif len(r.tokens) >= r.req.max_new_tokens or r.cache.length + 1 >= self.max_context:
+        elif len(r.tokens) >= r.req.max_new_tokens or r.seq.length + 1 >= self.max_context:
             finish = "length"
         else:
             return False
-        r.cache.busy = False  # resident: the episode's next turn extends it
-        r.cache.last_used = time.monotonic()
+        r.seq.busy = False  # resident: the episode's next turn extends it
+        r.seq.last_used = time.monotonic()
         r.req.done(Generation(r.tokens, r.logprobs, finish, self.engine_id, r.version))
         return True
 
