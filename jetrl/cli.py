@@ -31,7 +31,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from shared.bus import connect
+from shared.auth import controller_token, generate_passwords, server_authorization
+from shared.bus import connect, declare_topology
 from shared.config import TASKS, JetRLConfig, describe, load_config, save_config
 from shared.log import setup_logging
 from shared.messages import ActionEvent, BadMessage, MetricsReport, ObservationEvent, Trajectory, decode
@@ -90,7 +91,7 @@ def _bar(done: int, total: int, width: int = 24) -> str:
 async def _follow_progress(cfg: JetRLConfig, url: str, sup: Supervisor, stop: asyncio.Event,
                            main_role: str = "trainer") -> int:
     subjects = Subjects(cfg.nats.prefix)
-    nc = await connect(cfg.nats, "jetrl-up", url=url)
+    nc = await connect(cfg.nats, "jetrl-up", url=url, role="observer")
     reports: asyncio.Queue[MetricsReport] = asyncio.Queue()
 
     async def on_metrics(msg: Any) -> None:
@@ -133,6 +134,22 @@ async def _follow_progress(cfg: JetRLConfig, url: str, sup: Supervisor, stop: as
     return rc
 
 
+async def _declare_topology(cfg: JetRLConfig) -> None:
+    nc = await connect(cfg.nats, "jetrl-up-admin", role="admin")
+    try:
+        await declare_topology(nc.jetstream(), Subjects(cfg.nats.prefix), cfg.nats, cfg.controller.heartbeat_ttl_s,
+                               role="admin")
+    finally:
+        await nc.close()
+
+
+def _run_config(run_dir: str | None) -> JetRLConfig:
+    """The run's saved config (its NATS credentials, the status API's token), else the defaults with
+    the ``JETRL__`` environment applied."""
+    path = Path(run_dir or "runs/latest") / "config.toml"
+    return load_config(path if path.is_file() else None)
+
+
 MODE_DEFAULTS = {
     "up": [],
     # Demonstrations from each env's oracle, played through the same services; cross-entropy on them.
@@ -150,8 +167,16 @@ def cmd_up(args: argparse.Namespace, overrides: list[str], mode: str = "up") -> 
     cfg.run.dir = str(run_dir)
     server = None
     if not cfg.nats.url:
-        server = EmbeddedNats(run_dir / "nats")
+        authorization = ""
+        if cfg.nats.embedded_auth:  # one user per role, passwords in <run>/nats/auth (0600): shared/auth.py
+            auth_dir = run_dir / "nats" / "auth"
+            authorization = server_authorization(Subjects(cfg.nats.prefix), generate_passwords(auth_dir))
+            cfg.nats.auth_dir = str(auth_dir)
+            cfg.nats.user = cfg.nats.password = cfg.nats.password_file = cfg.nats.creds_file = ""
+        server = EmbeddedNats(run_dir / "nats", authorization=authorization)
         cfg.nats.url = server.start()
+    if cfg.nats.auth_dir:  # role users may not create streams: declare them as admin before any service starts
+        asyncio.run(_declare_topology(cfg))
     (run_dir / "nats.url").write_text(f"{cfg.nats.url}\n{cfg.nats.prefix}\n")
     config_path = run_dir / "config.toml"
     save_config(cfg, config_path)
@@ -226,11 +251,11 @@ def cmd_watch(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `jetrl watch | head` ends quietly
     url, prefix = _run_target(args.run_dir, args.url, args.prefix)
     subjects = Subjects(prefix)
-    cfg = JetRLConfig()
+    cfg = _run_config(None if args.url else args.run_dir)
     cfg.nats.prefix = prefix
 
     async def main() -> None:
-        nc = await connect(cfg.nats, "jetrl-watch", url=url)
+        nc = await connect(cfg.nats, "jetrl-watch", url=url, role="observer")  # read-only (shared/auth.py)
         task = args.task or "*"
 
         async def on_traj(msg: Any) -> None:
@@ -280,7 +305,9 @@ def cmd_watch(args: argparse.Namespace) -> int:
 
 def cmd_status(args: argparse.Namespace) -> int:
     url = (Path(args.run_dir) / "controller.url").read_text().strip()
-    with urllib.request.urlopen(f"{url}/status", timeout=5) as resp:
+    token = controller_token(_run_config(args.run_dir).controller)
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    with urllib.request.urlopen(urllib.request.Request(f"{url}/status", headers=headers), timeout=5) as resp:
         status = json.load(resp)
     print(json.dumps(status, indent=2))
     return 0
