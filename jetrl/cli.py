@@ -177,9 +177,9 @@ def cmd_up(args: argparse.Namespace, overrides: list[str], mode: str = "up") -> 
         cfg.nats.url = server.start()
     if cfg.nats.auth_dir:  # role users may not create streams: declare them as admin before any service starts
         asyncio.run(_declare_topology(cfg))
-    (run_dir / "nats.url").write_text(f"{cfg.nats.url}\n{cfg.nats.prefix}\n")
     config_path = run_dir / "config.toml"
-    save_config(cfg, config_path)
+    save_config(cfg, config_path)  # before nats.url: `jetrl watch` reads the credentials' place from it
+    (run_dir / "nats.url").write_text(f"{cfg.nats.url}\n{cfg.nats.prefix}\n")
     print(f"jetrl {mode}: run directory {run_dir}, NATS {cfg.nats.url} (prefix {cfg.nats.prefix})", flush=True)
     print(f"jetrl {mode}: watch live episodes with `jetrl watch --run-dir {run_dir} --events`", flush=True)
     sup = Supervisor(cfg, config_path, run_dir)

@@ -109,7 +109,7 @@ def role_permissions(subjects: Subjects, role: str) -> Permissions:
         return Permissions(publish=(">",), subscribe=(">",), allow_responses=False)
     if role == "observer":
         readable = [s.traj_stream, s.episodes_stream, s.dlq_stream]
-        pub = [f"{API}.INFO", *(p for st in readable for p in _stream_read(st) + _ephemeral_consumers(st))]
+        pub = [f"{API}.INFO", f"{API}.STREAM.NAMES", *(p for st in readable for p in _stream_read(st) + _ephemeral_consumers(st))]
         deny = [*_not_durable(s.traj_stream, s.trainer_consumer), *_not_durable(s.traj_stream, s.controller_consumer)]
         sub = [inbox, s.traj(">"), *s.episode_stream_subjects, s.dead_letter(">"), s.metrics(">"), s.run_control,
                s.weights_published, s.training_finished]
@@ -117,22 +117,26 @@ def role_permissions(subjects: Subjects, role: str) -> Permissions:
     if role not in SERVICE_ROLES:
         raise AuthError(f"unknown role {role!r} (known: {', '.join(ROLES)})")
     # every service: look its streams up (declare_topology waits for them), heartbeat, dead-letter
-    pub = [f"{API}.INFO", *(f"{API}.STREAM.INFO.{st}" for st in streams), f"$KV.{s.registry_kv}.>",
+    pub = [f"{API}.INFO", f"{API}.STREAM.NAMES", *(f"{API}.STREAM.INFO.{st}" for st in streams), f"$KV.{s.registry_kv}.>",
            s.dead_letter(">")]
     sub = [inbox]
     if role == "trainer":
         pub += [s.weights_published, s.training_finished, s.metrics("trainer"),
                 f"$KV.{s.policy_kv}.>", f"$O.{s.weights_bucket}.>", f"{API}.STREAM.PURGE.{obj_weights}",
-                *_stream_read(kv_policy), *_stream_read(obj_weights), *_durable(s.traj_stream, s.trainer_consumer)]
+                *_stream_read(kv_policy), *_ephemeral_consumers(kv_policy), *_stream_read(obj_weights),
+                *_ephemeral_consumers(obj_weights), *_durable(s.traj_stream, s.trainer_consumer)]
     elif role == "controller":
         pub += [s.jobs(">"), s.run_control, s.metrics("controller"), s.env_tasks("*"), s.env_health("*"),
                 *_durable(s.traj_stream, s.controller_consumer), f"{API}.CONSUMER.INFO.{s.traj_stream}.*",
-                *_stream_read(kv_registry), *_ephemeral_consumers(kv_registry)]  # registry keys: a KV watch
-        sub += [s.metrics(">"), s.weights_published, s.training_finished, s.run_control]
+                *_stream_read(kv_registry), *_ephemeral_consumers(kv_registry),  # registry keys: a KV watch
+                *_stream_read(kv_policy), *_ephemeral_consumers(kv_policy)]
+        # JetStream advisories (a job out of deliveries, ...) are the server's word on our streams: read-only
+        sub += [s.metrics(">"), s.weights_published, s.training_finished, s.run_control, "$JS.EVENT.ADVISORY.>"]
     elif role == "rollout":
         pub += [*s.episode_stream_subjects, s.traj(">"), s.metrics("rollout"),
                 f"{s.prefix}.env.>", f"{s.prefix}.gen.>", *_durable(s.jobs_stream, s.rollout_consumer),
-                *_stream_read(kv_policy), *_stream_read(obj_weights), *_ephemeral_consumers(obj_weights)]
+                *_stream_read(kv_policy), *_ephemeral_consumers(kv_policy),  # the policy KV: read and watch
+                *_stream_read(obj_weights), *_ephemeral_consumers(obj_weights)]
         sub += [s.weights_published, s.training_finished, f"{s.prefix}.gen.>", "$SRV.>"]
     elif role == "env":
         sub += [f"{s.prefix}.env.>", "$SRV.>"]
@@ -232,3 +236,18 @@ def controller_token(cfg: ControllerConfig) -> str:
     if cfg.http_token or not cfg.http_token_file:
         return cfg.http_token
     return _read_secret(cfg.http_token_file, "controller.http_token_file")
+
+
+COMPOSE_HEADER = """\
+# nats-server configuration for compose/docker-compose.yml: one user per JetRL role, with the subject
+# permissions of shared/auth.py. Generated, do not edit: python -m shared.auth > compose/nats-server.conf
+# Passwords come from the environment (JETRL_NATS_<ROLE>_PASSWORD; `jetrl secrets` writes compose/.env);
+# the server refuses to start without them, and a client without credentials is not let in.
+"""
+
+
+if __name__ == "__main__":  # the compose config, for the default prefix
+    import sys
+
+    prefix = sys.argv[1] if len(sys.argv) > 1 else "jetrl"
+    sys.stdout.write(COMPOSE_HEADER + server_authorization(Subjects(prefix)))
