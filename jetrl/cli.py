@@ -9,6 +9,8 @@
     jetrl status [--run-dir DIR]
     jetrl config [--task T]   # every config key with its default and help; with a task, only
                               # what its env service reads: [env] and [env.<task>]
+    jetrl topology [--config FILE]   # declare streams and buckets as the NATS admin (compose)
+    jetrl secrets [--env compose/.env]   # per-role NATS passwords + status API token for compose
 
 ``up`` starts an embedded nats-server (unless ``nats.url`` is set) and every service as its own
 process (``python -m services.<role>``), prints one progress line per training step, and stops
@@ -31,7 +33,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from shared.auth import controller_token, generate_passwords, server_authorization
+from shared.auth import ROLES, controller_token, generate_passwords, password_env_var, server_authorization
 from shared.bus import connect, declare_topology
 from shared.config import TASKS, JetRLConfig, describe, load_config, save_config
 from shared.log import setup_logging
@@ -313,6 +315,36 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_topology(args: argparse.Namespace, overrides: list[str]) -> int:
+    """Declare every stream and bucket as the admin user: on an authenticated server only the admin may
+    (shared/auth.py); the services wait for them. Compose runs this once as its `topology` service."""
+    cfg = load_config(args.config, overrides)
+    if not cfg.nats.url:
+        raise SystemExit("jetrl topology: set nats.url (JETRL__NATS__URL) to the server to declare on")
+    asyncio.run(_declare_topology(cfg))
+    print(f"jetrl topology: streams and buckets of prefix {cfg.nats.prefix} declared on {cfg.nats.url}")
+    return 0
+
+
+def cmd_secrets(args: argparse.Namespace) -> int:
+    """Random secrets for compose: one NATS password per role (JETRL_NATS_<ROLE>_PASSWORD) and the status
+    API's token (JETRL_CONTROLLER_TOKEN), as an env file compose reads. An existing file is kept."""
+    import secrets
+
+    path = Path(args.env)
+    if path.exists():
+        print(f"jetrl secrets: {path} exists, kept (delete it to make new secrets)")
+        return 0
+    lines = [f"{password_env_var(role)}={secrets.token_urlsafe(24)}" for role in ROLES]
+    lines.append(f"JETRL_CONTROLLER_TOKEN={secrets.token_urlsafe(24)}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write("# JetRL compose secrets (jetrl secrets): keep private, never commit\n" + "\n".join(lines) + "\n")
+    print(f"jetrl secrets: wrote {path} ({len(ROLES)} NATS passwords and the status API token)")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="jetrl", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
@@ -347,6 +379,12 @@ def main(argv: list[str] | None = None) -> int:
     config = sub.add_parser("config", help="every config key with its default and help")
     config.add_argument("--task", choices=TASKS, default=None,
                         help="only what this task's env service reads: [env] and [env.<task>]")
+    topology = sub.add_parser("topology", help="declare every stream and bucket as the NATS admin user "
+                                                "(authenticated servers: the services wait for it)")
+    topology.add_argument("--config", default=None)
+    secrets_cmd = sub.add_parser("secrets", help="random NATS passwords per role and a status API token, as an "
+                                                 "env file for compose")
+    secrets_cmd.add_argument("--env", default="compose/.env", help="env file to write (kept if it exists)")
     args, rest = parser.parse_known_args(argv)
     setup_logging("cli", level="warning")  # the CLI prints its own lines; services log to their files
     if args.command in MODE_DEFAULTS:
@@ -355,8 +393,12 @@ def main(argv: list[str] | None = None) -> int:
         from jetrl.quickstart import cmd_quickstart
 
         return cmd_quickstart(args, rest)
+    if args.command == "topology":
+        return cmd_topology(args, rest)
     if rest:
         parser.error(f"unrecognised arguments: {rest}")
+    if args.command == "secrets":
+        return cmd_secrets(args)
     if args.command == "watch":
         return cmd_watch(args)
     if args.command == "status":

@@ -131,6 +131,62 @@ def test_the_shipped_compose_config_is_the_generated_one() -> None:
     assert server_authorization(Subjects("jetrl")) in shipped
 
 
+ROLE_OF_SERVICE = {"topology": "admin", "controller": "controller", "trainer": "trainer", "rollout": "rollout"}
+
+
+def test_compose_connects_every_service_as_its_role_and_exposes_nothing_open() -> None:
+    import yaml
+
+    services = yaml.safe_load((REPO / "compose" / "docker-compose.yml").read_text())["services"]
+    nats_svc = services.pop("nats")
+    assert nats_svc["command"][:2] == ["-c", "/etc/nats/jetrl.conf"]
+    assert "./nats-server.conf:/etc/nats/jetrl.conf:ro" in nats_svc["volumes"]
+    assert nats_svc["ports"] == ["4222:4222"]  # authenticated; monitoring (8222) stays inside
+    assert {f"JETRL_NATS_{r.upper()}_PASSWORD" for r in ROLES} <= set(nats_svc["environment"])
+    for name, svc in services.items():
+        env = svc["environment"]
+        assert env["JETRL__NATS__USER"] == ROLE_OF_SERVICE.get(name, "env"), name
+        role = env["JETRL__NATS__USER"]
+        assert env["JETRL__NATS__PASSWORD"].startswith(f"${{JETRL_NATS_{role.upper()}_PASSWORD:?"), name
+    assert services["controller"]["ports"] == ["127.0.0.1:8000:8000"]
+    assert services["controller"]["environment"]["JETRL__CONTROLLER__HTTP_TOKEN"].startswith("${JETRL_CONTROLLER_TOKEN:?")
+
+
+def test_the_compose_server_config_runs_and_lets_in_only_its_users(tmp_path: Path) -> None:
+    """The shipped config on a real nats-server: it refuses to start without the passwords in its
+    environment, and with them admits each role by its password and nobody without one."""
+    from shared.natsd import find_nats_server
+
+    binary, conf = find_nats_server(), str(REPO / "compose" / "nats-server.conf")
+    cmd = [binary, "-c", conf, "-js", "-sd", str(tmp_path / "js"), "-a", "127.0.0.1", "-p", "-1",
+           "--ports_file_dir", str(tmp_path)]
+    bare = subprocess.run(cmd, capture_output=True, text=True, timeout=30,
+                          env={k: v for k, v in os.environ.items() if not k.startswith("JETRL_NATS_")})
+    assert bare.returncode != 0 and "JETRL_NATS_" in bare.stderr + bare.stdout
+    passwords = {role: f"pw-{role}-{uuid.uuid4().hex[:8]}" for role in ROLES}
+    env = dict(os.environ, **{f"JETRL_NATS_{r.upper()}_PASSWORD": pw for r, pw in passwords.items()})
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 20
+        while not list(tmp_path.glob("*.ports")) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.1)
+        url = json.loads(next(tmp_path.glob("*.ports")).read_text())["nats"][0]
+
+        async def check() -> None:
+            for role, pw in passwords.items():
+                client = await nats.connect(url, user=role, password=pw, allow_reconnect=False, connect_timeout=3)
+                await client.close()
+            for kwargs in ({}, {"user": "trainer", "password": passwords["rollout"]}):
+                with pytest.raises(nats.errors.Error, match="Authorization Violation"):
+                    await nats.connect(url, allow_reconnect=False, connect_timeout=3, **kwargs)
+
+        asyncio.run(check())
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
+
+
 # ---------------------------------------------------------------------------- against the server
 async def test_a_client_without_credentials_can_publish_neither_weights_nor_jobs(
         auth_server: tuple[str, Path, Path], admin: Client) -> None:
