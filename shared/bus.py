@@ -59,6 +59,12 @@ async def connect(cfg: NatsConfig, name: str, url: str | None = None, role: str 
         kwargs["tls"] = ctx
 
     async def on_error(exc: Exception) -> None:
+        text = str(exc).lower()
+        if "authorization violation" in text or "permissions violation" in text:  # shared/auth.py
+            log.error("nats_refused", error=repr(exc), user=creds.user or None, role=role,
+                      hint="check nats.user / nats.password(_file) / nats.auth_dir, and the role's permissions "
+                           "in shared/auth.py")
+            return
         log.warning("nats_error", error=repr(exc))
 
     async def on_disconnected() -> None:
