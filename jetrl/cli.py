@@ -146,10 +146,10 @@ async def _declare_topology(cfg: JetRLConfig) -> None:
 
 
 def _run_config(run_dir: str | None) -> JetRLConfig:
-    """The run's saved config (its NATS credentials, the status API's token), else the defaults with
-    the ``JETRL__`` environment applied."""
-    path = Path(run_dir or "runs/latest") / "config.toml"
-    return load_config(path if path.is_file() else None)
+    """The run's saved config (its NATS credentials, the status API's token), else (no run directory, or
+    none saved there) the defaults with the ``JETRL__`` environment applied."""
+    path = Path(run_dir) / "config.toml" if run_dir else None
+    return load_config(path if path is not None and path.is_file() else None)
 
 
 MODE_DEFAULTS = {
