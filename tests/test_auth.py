@@ -385,9 +385,12 @@ def test_jetrl_up_runs_with_auth_and_a_forged_announcement_neither_ends_nor_reac
             s = Subjects(cfg.nats.prefix)
             deadline = time.monotonic() + 400
             while up.poll() is None and time.monotonic() < deadline:  # all through the run
-                await forger.publish(s.weights_published, encode(note(HUGE)))
-                await forger.publish(s.training_finished, encode(TrainingFinished(step=HUGE, policy_version=HUGE,
-                                                                                  replica_id="forger")))
+                try:
+                    await forger.publish(s.weights_published, encode(note(HUGE)))
+                    await forger.publish(s.training_finished, encode(TrainingFinished(
+                        step=HUGE, policy_version=HUGE, replica_id="forger")))
+                except nats.errors.ConnectionClosedError:  # the run is over: jetrl up stopped its server
+                    break
                 await asyncio.sleep(1.0)
             await forger.close()
             return errors.violations()
