@@ -125,6 +125,30 @@ def test_every_role_is_defined_from_the_contract() -> None:
     assert "no_auth_user" not in text and all(f"$JETRL_NATS_{r.upper()}_PASSWORD" in text for r in ROLES)
 
 
+def test_credentials_come_from_the_config_files_or_the_environment(tmp_path: Path) -> None:
+    from shared.auth import AuthError, credentials, manages_topology
+    from shared.config import load_config
+
+    passwords = generate_passwords(tmp_path / "auth")
+    assert oct((tmp_path / "auth" / "trainer.password").stat().st_mode & 0o777) == "0o600"
+    assert generate_passwords(tmp_path / "auth") == passwords  # a resumed run keeps its users
+    cfg = NatsConfig(auth_dir=str(tmp_path / "auth"))
+    trainer = credentials(cfg, "trainer")
+    assert (trainer.user, trainer.password, trainer.inbox_prefix) == ("trainer", passwords["trainer"], "_INBOX_trainer")
+    assert not manages_topology(cfg, "trainer") and manages_topology(cfg, "admin")
+    assert credentials(NatsConfig(), "trainer").user == "" and manages_topology(NatsConfig(), "trainer")  # open
+    (tmp_path / "secret").write_text("from-a-file\n")
+    env = {"JETRL__NATS__USER": "rollout", "JETRL__NATS__PASSWORD_FILE": str(tmp_path / "secret")}
+    given = credentials(load_config(None, environ=env).nats, "rollout")
+    assert (given.user, given.password, given.inbox_prefix) == ("rollout", "from-a-file", "_INBOX_rollout")
+    env = {"JETRL__NATS__USER": "env", "JETRL__NATS__PASSWORD": "from-the-env"}
+    assert credentials(load_config(None, environ=env).nats, "env").password == "from-the-env"
+    with pytest.raises(AuthError, match="nats.password_file: cannot read"):
+        credentials(NatsConfig(user="env", password_file=str(tmp_path / "missing")), "env")
+    with pytest.raises(AuthError, match="unknown role"):
+        credentials(cfg, "intruder")
+
+
 def test_the_shipped_compose_config_is_the_generated_one() -> None:
     """compose/nats-server.conf is written by shared.auth (python -m shared.auth > ...): one definition."""
     shipped = (REPO / "compose" / "nats-server.conf").read_text()
