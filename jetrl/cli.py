@@ -178,7 +178,12 @@ def cmd_up(args: argparse.Namespace, overrides: list[str], mode: str = "up") -> 
         server = EmbeddedNats(run_dir / "nats", authorization=authorization)
         cfg.nats.url = server.start()
     if cfg.nats.auth_dir:  # role users may not create streams: declare them as admin before any service starts
-        asyncio.run(_declare_topology(cfg))
+        try:
+            asyncio.run(_declare_topology(cfg))
+        except BaseException:
+            if server is not None:
+                server.stop()
+            raise
     config_path = run_dir / "config.toml"
     save_config(cfg, config_path)  # before nats.url: `jetrl watch` reads the credentials' place from it
     (run_dir / "nats.url").write_text(f"{cfg.nats.url}\n{cfg.nats.prefix}\n")
