@@ -9,6 +9,8 @@
     jetrl status [--run-dir DIR]
     jetrl config [--task T]   # every config key with its default and help; with a task, only
                               # what its env service reads: [env] and [env.<task>]
+    jetrl topology [--config FILE]   # declare streams and buckets as the NATS admin (compose)
+    jetrl secrets [--env compose/.env]   # per-role NATS passwords + status API token for compose
 
 ``up`` starts an embedded nats-server (unless ``nats.url`` is set) and every service as its own
 process (``python -m services.<role>``), prints one progress line per training step, and stops
@@ -31,7 +33,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from shared.bus import connect
+from shared.auth import ROLES, controller_token, generate_passwords, password_env_var, server_authorization
+from shared.bus import connect, declare_topology
 from shared.config import TASKS, JetRLConfig, describe, load_config, save_config
 from shared.log import setup_logging
 from shared.messages import ActionEvent, BadMessage, MetricsReport, ObservationEvent, Trajectory, decode
@@ -90,7 +93,7 @@ def _bar(done: int, total: int, width: int = 24) -> str:
 async def _follow_progress(cfg: JetRLConfig, url: str, sup: Supervisor, stop: asyncio.Event,
                            main_role: str = "trainer") -> int:
     subjects = Subjects(cfg.nats.prefix)
-    nc = await connect(cfg.nats, "jetrl-up", url=url)
+    nc = await connect(cfg.nats, "jetrl-up", url=url, role="observer")
     reports: asyncio.Queue[MetricsReport] = asyncio.Queue()
 
     async def on_metrics(msg: Any) -> None:
@@ -133,6 +136,22 @@ async def _follow_progress(cfg: JetRLConfig, url: str, sup: Supervisor, stop: as
     return rc
 
 
+async def _declare_topology(cfg: JetRLConfig) -> None:
+    nc = await connect(cfg.nats, "jetrl-up-admin", role="admin")
+    try:
+        await declare_topology(nc.jetstream(), Subjects(cfg.nats.prefix), cfg.nats, cfg.controller.heartbeat_ttl_s,
+                               role="admin")
+    finally:
+        await nc.close()
+
+
+def _run_config(run_dir: str | None) -> JetRLConfig:
+    """The run's saved config (its NATS credentials, the status API's token), else (no run directory, or
+    none saved there) the defaults with the ``JETRL__`` environment applied."""
+    path = Path(run_dir) / "config.toml" if run_dir else None
+    return load_config(path if path is not None and path.is_file() else None)
+
+
 MODE_DEFAULTS = {
     "up": [],
     # Demonstrations from each env's oracle, played through the same services; cross-entropy on them.
@@ -150,11 +169,24 @@ def cmd_up(args: argparse.Namespace, overrides: list[str], mode: str = "up") -> 
     cfg.run.dir = str(run_dir)
     server = None
     if not cfg.nats.url:
-        server = EmbeddedNats(run_dir / "nats")
+        authorization = ""
+        if cfg.nats.embedded_auth:  # one user per role, passwords in <run>/nats/auth (0600): shared/auth.py
+            auth_dir = run_dir / "nats" / "auth"
+            authorization = server_authorization(Subjects(cfg.nats.prefix), generate_passwords(auth_dir))
+            cfg.nats.auth_dir = str(auth_dir)
+            cfg.nats.user = cfg.nats.password = cfg.nats.password_file = cfg.nats.creds_file = ""
+        server = EmbeddedNats(run_dir / "nats", authorization=authorization)
         cfg.nats.url = server.start()
-    (run_dir / "nats.url").write_text(f"{cfg.nats.url}\n{cfg.nats.prefix}\n")
+    if cfg.nats.auth_dir:  # role users may not create streams: declare them as admin before any service starts
+        try:
+            asyncio.run(_declare_topology(cfg))
+        except BaseException:
+            if server is not None:
+                server.stop()
+            raise
     config_path = run_dir / "config.toml"
-    save_config(cfg, config_path)
+    save_config(cfg, config_path)  # before nats.url: `jetrl watch` reads the credentials' place from it
+    (run_dir / "nats.url").write_text(f"{cfg.nats.url}\n{cfg.nats.prefix}\n")
     print(f"jetrl {mode}: run directory {run_dir}, NATS {cfg.nats.url} (prefix {cfg.nats.prefix})", flush=True)
     print(f"jetrl {mode}: watch live episodes with `jetrl watch --run-dir {run_dir} --events`", flush=True)
     sup = Supervisor(cfg, config_path, run_dir)
@@ -226,11 +258,11 @@ def cmd_watch(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `jetrl watch | head` ends quietly
     url, prefix = _run_target(args.run_dir, args.url, args.prefix)
     subjects = Subjects(prefix)
-    cfg = JetRLConfig()
+    cfg = _run_config(None if args.url else args.run_dir)
     cfg.nats.prefix = prefix
 
     async def main() -> None:
-        nc = await connect(cfg.nats, "jetrl-watch", url=url)
+        nc = await connect(cfg.nats, "jetrl-watch", url=url, role="observer")  # read-only (shared/auth.py)
         task = args.task or "*"
 
         async def on_traj(msg: Any) -> None:
@@ -280,9 +312,41 @@ def cmd_watch(args: argparse.Namespace) -> int:
 
 def cmd_status(args: argparse.Namespace) -> int:
     url = (Path(args.run_dir) / "controller.url").read_text().strip()
-    with urllib.request.urlopen(f"{url}/status", timeout=5) as resp:
+    token = controller_token(_run_config(args.run_dir).controller)
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    with urllib.request.urlopen(urllib.request.Request(f"{url}/status", headers=headers), timeout=5) as resp:
         status = json.load(resp)
     print(json.dumps(status, indent=2))
+    return 0
+
+
+def cmd_topology(args: argparse.Namespace, overrides: list[str]) -> int:
+    """Declare every stream and bucket as the admin user: on an authenticated server only the admin may
+    (shared/auth.py); the services wait for them. Compose runs this once as its `topology` service."""
+    cfg = load_config(args.config, overrides)
+    if not cfg.nats.url:
+        raise SystemExit("jetrl topology: set nats.url (JETRL__NATS__URL) to the server to declare on")
+    asyncio.run(_declare_topology(cfg))
+    print(f"jetrl topology: streams and buckets of prefix {cfg.nats.prefix} declared on {cfg.nats.url}")
+    return 0
+
+
+def cmd_secrets(args: argparse.Namespace) -> int:
+    """Random secrets for compose: one NATS password per role (JETRL_NATS_<ROLE>_PASSWORD) and the status
+    API's token (JETRL_CONTROLLER_TOKEN), as an env file compose reads. An existing file is kept."""
+    import secrets
+
+    path = Path(args.env)
+    if path.exists():
+        print(f"jetrl secrets: {path} exists, kept (delete it to make new secrets)")
+        return 0
+    lines = [f"{password_env_var(role)}={secrets.token_urlsafe(24)}" for role in ROLES]
+    lines.append(f"JETRL_CONTROLLER_TOKEN={secrets.token_urlsafe(24)}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write("# JetRL compose secrets (jetrl secrets): keep private, never commit\n" + "\n".join(lines) + "\n")
+    print(f"jetrl secrets: wrote {path} ({len(ROLES)} NATS passwords and the status API token)")
     return 0
 
 
@@ -320,6 +384,12 @@ def main(argv: list[str] | None = None) -> int:
     config = sub.add_parser("config", help="every config key with its default and help")
     config.add_argument("--task", choices=TASKS, default=None,
                         help="only what this task's env service reads: [env] and [env.<task>]")
+    topology = sub.add_parser("topology", help="declare every stream and bucket as the NATS admin user "
+                                                "(authenticated servers: the services wait for it)")
+    topology.add_argument("--config", default=None)
+    secrets_cmd = sub.add_parser("secrets", help="random NATS passwords per role and a status API token, as an "
+                                                 "env file for compose")
+    secrets_cmd.add_argument("--env", default="compose/.env", help="env file to write (kept if it exists)")
     args, rest = parser.parse_known_args(argv)
     setup_logging("cli", level="warning")  # the CLI prints its own lines; services log to their files
     if args.command in MODE_DEFAULTS:
@@ -328,8 +398,12 @@ def main(argv: list[str] | None = None) -> int:
         from jetrl.quickstart import cmd_quickstart
 
         return cmd_quickstart(args, rest)
+    if args.command == "topology":
+        return cmd_topology(args, rest)
     if rest:
         parser.error(f"unrecognised arguments: {rest}")
+    if args.command == "secrets":
+        return cmd_secrets(args)
     if args.command == "watch":
         return cmd_watch(args)
     if args.command == "status":

@@ -28,10 +28,11 @@ from nats.js.api import (
     StorageType,
     StreamConfig,
 )
-from nats.js.errors import BadRequestError
+from nats.js.errors import BadRequestError, NotFoundError
 from nats.js.kv import KeyValue
 from nats.js.object_store import ObjectStore
 
+from shared.auth import credentials, manages_topology
 from shared.config import NatsConfig
 from shared.messages import MAX_MESSAGE_BYTES, BadMessage, DeadLetter, Heartbeat, M, MetricsReport, decode, encode, now
 from shared.subjects import Subjects
@@ -41,13 +42,16 @@ log = structlog.get_logger()
 DAY_S = 24 * 3600.0
 
 
-async def connect(cfg: NatsConfig, name: str, url: str | None = None) -> Client:
-    """Connect with endless reconnects (a restarted server is waited for, not a crash)."""
+async def connect(cfg: NatsConfig, name: str, url: str | None = None, role: str | None = None) -> Client:
+    """Connect with endless reconnects (a restarted server is waited for, not a crash). ``role`` picks
+    the per-role user where ``nats.auth_dir`` is set (``shared.auth.credentials``)."""
     kwargs: dict[str, Any] = {}
-    if cfg.creds_file:
-        kwargs["user_credentials"] = cfg.creds_file
-    if cfg.user:
-        kwargs["user"], kwargs["password"] = cfg.user, cfg.password
+    creds = credentials(cfg, role)
+    if creds.creds_file:
+        kwargs["user_credentials"] = creds.creds_file
+    if creds.user:
+        kwargs["user"], kwargs["password"] = creds.user, creds.password
+    kwargs["inbox_prefix"] = creds.inbox_prefix  # a role reads only its own replies (shared/auth.py)
     if cfg.tls_ca or cfg.tls_cert:
         ctx = ssl.create_default_context(cafile=cfg.tls_ca or None)
         if cfg.tls_cert:
@@ -55,6 +59,12 @@ async def connect(cfg: NatsConfig, name: str, url: str | None = None) -> Client:
         kwargs["tls"] = ctx
 
     async def on_error(exc: Exception) -> None:
+        text = str(exc).lower()
+        if "authorization violation" in text or "permissions violation" in text:  # shared/auth.py
+            log.error("nats_refused", error=repr(exc), user=creds.user or None, role=role,
+                      hint="check nats.user / nats.password(_file) / nats.auth_dir, and the role's permissions "
+                           "in shared/auth.py")
+            return
         log.warning("nats_error", error=repr(exc))
 
     async def on_disconnected() -> None:
@@ -92,8 +102,14 @@ async def _ensure_stream(js: JetStreamContext, config: StreamConfig) -> None:
 
 
 async def declare_topology(js: JetStreamContext, subjects: Subjects, cfg: NatsConfig,
-                           heartbeat_ttl_s: float = 10.0) -> None:
-    """Create (or update) every stream and bucket. Idempotent: every role calls it at start-up."""
+                           heartbeat_ttl_s: float = 10.0, role: str | None = None,
+                           wait_s: float = 120.0) -> None:
+    """Create (or update) every stream and bucket. Idempotent: every role calls it at start-up. A role
+    user of an authenticated server may not create streams (``shared.auth``): it waits for the admin
+    (``jetrl up``, compose's ``topology`` service) to have declared them."""
+    if not manages_topology(cfg, role):
+        await wait_for_topology(js, subjects, wait_s)
+        return
     replicas = cfg.stream_replicas
     await _ensure_stream(js, StreamConfig(
         name=subjects.jobs_stream, subjects=[subjects.jobs(">")], retention=RetentionPolicy.WORK_QUEUE,
@@ -132,6 +148,24 @@ async def declare_topology(js: JetStreamContext, subjects: Subjects, cfg: NatsCo
     except Exception:
         await js.create_object_store(subjects.weights_bucket, ObjectStoreConfig(
             description="policy weights, one safetensors object per version", replicas=replicas))
+
+
+async def wait_for_topology(js: JetStreamContext, subjects: Subjects, wait_s: float = 120.0) -> None:
+    """Wait until every stream and bucket exists (stream info is all a role user may ask for)."""
+    names = [subjects.jobs_stream, subjects.episodes_stream, subjects.traj_stream, subjects.dlq_stream,
+             f"KV_{subjects.policy_kv}", f"KV_{subjects.registry_kv}", Subjects.object_stream(subjects.weights_bucket)]
+    deadline = asyncio.get_running_loop().time() + wait_s
+    for name in names:
+        while True:
+            try:
+                await js.stream_info(name)
+                break
+            except NotFoundError:
+                if asyncio.get_running_loop().time() > deadline:
+                    raise RuntimeError(f"stream {name} was not declared within {wait_s:.0f} s: an admin client "
+                                       "declares the topology (jetrl up does; compose: the topology service)") from None
+                log.info("waiting_for_topology", stream=name)
+                await asyncio.sleep(1.0)
 
 
 async def policy_kv(js: JetStreamContext, subjects: Subjects) -> KeyValue:

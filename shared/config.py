@@ -46,6 +46,11 @@ class NatsConfig:
     tls_key: str = opt("", "client key for mutual TLS")
     connect_timeout_s: float = opt(5.0, "seconds to wait for one connection attempt")
     stream_replicas: int = opt(1, "JetStream replicas per stream (3 on a clustered server)")
+    password_file: str = opt("", "file holding the password for `user` (a Docker secret), instead of `password`")
+    auth_dir: str = opt("", "directory of per-role passwords (<role>.password, as jetrl up writes them): each "
+                            "service connects as the user named after its role (shared/auth.py)")
+    embedded_auth: bool = opt(True, "jetrl up's embedded nats-server has one user per role with subject "
+                                    "permissions (shared/auth.py); false = an open server")
 
 
 @dataclass
@@ -297,6 +302,8 @@ class ControllerConfig:
     http_port: int = opt(0, "status API port; 0 = pick a free one (written to the run dir)")
     episode_timeout_s: float = opt(3600.0, "an episode unfinished this long after publishing is written off as lost")
     heartbeat_ttl_s: float = opt(10.0, "a replica missing heartbeats this long is dropped from the registry")
+    http_token: str = opt("", "bearer token the status API requires (Authorization: Bearer ...); empty = none")
+    http_token_file: str = opt("", "file holding http_token (a Docker secret), instead of http_token")
 
 
 @dataclass

@@ -326,10 +326,20 @@ class RunControl(Message, tag="run_control", kw_only=True):
     ts: float = msgspec.field(default_factory=now)
 
 
+class TrainingFinished(Message, tag="training_finished", kw_only=True):
+    """The trainer's word that it has done its last step (subject ``trainer.finished``, trainer only):
+    the controller ends the plan on this, never on a policy version it did not expect."""
+
+    step: int
+    policy_version: int
+    replica_id: str
+    ts: float = msgspec.field(default_factory=now)
+
+
 MESSAGES: tuple[type[Message], ...] = (
     EpisodeJob, EnvStart, EnvStarted, EnvInteract, EnvOracle, EnvCancel, EnvStep, EnvTaskList, EnvHealth,
     ActionEvent, ObservationEvent, Trajectory, GenerateRequest, GenerateReply, WeightsAnnouncement, Heartbeat,
-    MetricsReport, DeadLetter, RunControl,
+    MetricsReport, DeadLetter, RunControl, TrainingFinished,
 )
 """Every top-level message type."""
 

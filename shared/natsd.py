@@ -52,13 +52,16 @@ class EmbeddedNats:
     """A nats-server child process with JetStream. ``with EmbeddedNats(dir) as url: ...``."""
 
     def __init__(self, store_dir: str | os.PathLike[str], host: str = "127.0.0.1", port: int = -1,
-                 log_file: str | os.PathLike[str] | None = None) -> None:
+                 log_file: str | os.PathLike[str] | None = None, authorization: str = "") -> None:
         self.store_dir = Path(store_dir)
         self.host = host
         self.port = port  # -1 = the server picks a free port and writes it to the ports file
         self.log_file = Path(log_file) if log_file else self.store_dir / "nats-server.log"
         self.proc: subprocess.Popen[bytes] | None = None
         self.url = ""
+        self.authorization = authorization
+        """An ``authorization { users = [...] }`` block (``shared.auth.server_authorization``); empty = an
+        open server (the test fixtures)."""
 
     def start(self, timeout_s: float = 20.0) -> str:
         binary = find_nats_server()
@@ -76,7 +79,9 @@ class EmbeddedNats:
             f'  store_dir: "{self.store_dir / "jetstream"}"\n'
             "  max_memory_store: 268435456\n"
             "}\n"
+            + self.authorization
         )
+        conf.chmod(0o600)  # it may hold the users' passwords
         log = open(self.log_file, "ab")
         # start_new_session: Ctrl-C in the terminal reaches our supervisor, which stops the server last.
         self.proc = subprocess.Popen([binary, "-c", str(conf)], stdout=log, stderr=log, start_new_session=True)

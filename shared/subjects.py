@@ -91,6 +91,11 @@ class Subjects:
     def weights_published(self) -> str:
         return f"{self.prefix}.weights.published"
 
+    @property
+    def training_finished(self) -> str:
+        """The trainer's own "training done" (``TrainingFinished``): the only thing that ends a run."""
+        return f"{self.prefix}.trainer.finished"
+
     def metrics(self, role: str = "*") -> str:
         return f"{self.prefix}.metrics.{role}"
 

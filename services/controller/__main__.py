@@ -14,6 +14,7 @@ import uvicorn
 
 from services.controller.api import create_app
 from services.controller.controller import Controller
+from shared.auth import controller_token
 from shared.bus import connect, declare_topology, heartbeat_loop, replica_name
 from shared.config import from_argv
 from shared.log import setup_logging
@@ -37,13 +38,13 @@ async def main(argv: list[str]) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "controller.url").write_text(url + "\n")
     async with AsyncExitStack() as stack:
-        nc = await connect(cfg.nats, replica_id)
+        nc = await connect(cfg.nats, replica_id, role="controller")
         stack.push_async_callback(nc.drain)
         js = nc.jetstream()
-        await declare_topology(js, subjects, cfg.nats, cfg.controller.heartbeat_ttl_s)
+        await declare_topology(js, subjects, cfg.nats, cfg.controller.heartbeat_ttl_s, role="controller")
         controller = Controller(nc, js, subjects, cfg, replica_id)
         await controller.follow_metrics_and_weights()
-        server = uvicorn.Server(uvicorn.Config(create_app(controller), log_level="warning", lifespan="off"))
+        server = uvicorn.Server(uvicorn.Config(create_app(controller, controller_token(cfg.controller)), log_level="warning", lifespan="off"))
         for job in (server.serve(sockets=[sock]), controller.track_trajectories(), controller.watch_replicas(),
                     heartbeat_loop(js, subjects, "controller", replica_id, {"url": url})):
             bg = asyncio.create_task(job)

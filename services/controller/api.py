@@ -2,16 +2,33 @@
 
 from __future__ import annotations
 
+import hmac
+from collections.abc import Awaitable, Callable
 from typing import Any
 
-from litestar import Litestar, MediaType, Response, get
+from litestar import Litestar, MediaType, Request, Response, get
 from prometheus_client import CollectorRegistry, Gauge, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from services.controller.controller import Controller
 
 
-def create_app(controller: Controller) -> Litestar:
+def bearer_guard(token: str) -> Callable[[Request[Any, Any, Any]], Awaitable[Response[Any] | None]]:
+    """Refuse (401) a request without ``Authorization: Bearer <token>``; compared in constant time."""
+    expected = f"Bearer {token}".encode()
+
+    async def check(request: Request[Any, Any, Any]) -> Response[Any] | None:
+        given = request.headers.get("authorization", "").encode("utf-8", "replace")
+        if hmac.compare_digest(given, expected):
+            return None
+        return Response({"error": "missing or wrong bearer token"}, status_code=401,
+                        headers={"WWW-Authenticate": "Bearer"})
+
+    return check
+
+
+def create_app(controller: Controller, token: str = "") -> Litestar:
+    """``token``: every request must carry it as a bearer token (``controller.http_token``); empty = open."""
     registry = CollectorRegistry()  # per app, so several controllers (tests) never collide
     episodes = Gauge("jetrl_episodes", "episodes by state", ["state"], registry=registry)
     task_episodes = Gauge("jetrl_task_episodes", "episodes by task and state", ["task", "state"], registry=registry)
@@ -40,4 +57,4 @@ def create_app(controller: Controller) -> Litestar:
             trainer.labels(name).set(value)
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
-    return Litestar([status, metrics])
+    return Litestar([status, metrics], before_request=bearer_guard(token) if token else None)

@@ -39,6 +39,7 @@ from shared.messages import (
     Heartbeat,
     MetricsReport,
     RunControl,
+    TrainingFinished,
     Trajectory,
     WeightsAnnouncement,
     decode,
@@ -86,6 +87,7 @@ class Controller:
         self.lost = 0
         self.policy_version = 0
         self.trainer_step = 0
+        self.trainer_finished: TrainingFinished | None = None  # the trainer's own "done": ends the plan
         self.eval_results: dict[str, dict[str, list[Trajectory]]] = {}
         self.latest_metrics: dict[str, MetricsReport] = {}
         self.started_at = time.time()
@@ -235,7 +237,9 @@ class Controller:
 
     @property
     def training_done(self) -> bool:
-        return max(self.policy_version, self.trainer_step) >= self.cfg.trainer.steps
+        """Only the trainer's ``TrainingFinished`` ends the plan: a weights announcement or a metrics report
+        with a version or step beyond ``trainer.steps`` (forged, or another run's) is only a figure."""
+        return self.trainer_finished is not None
 
     # ------------------------------------------------------------------ lifecycle and metrics
     async def track_trajectories(self) -> None:
@@ -291,8 +295,19 @@ class Controller:
                 log.warning("bad_weights_announcement", reason=exc.reason)
             self._capacity.set()
 
+        async def on_finished(msg: Any) -> None:
+            try:
+                self.trainer_finished = decode(msg.data, TrainingFinished)
+            except BadMessage as exc:
+                log.warning("bad_training_finished", reason=exc.reason)
+                return
+            log.info("training_finished", step=self.trainer_finished.step,
+                     policy_version=self.trainer_finished.policy_version, trainer=self.trainer_finished.replica_id)
+            self._capacity.set()
+
         await self.nc.subscribe(self.subjects.metrics(">"), cb=on_metrics)
         await self.nc.subscribe(self.subjects.weights_published, cb=on_weights)
+        await self.nc.subscribe(self.subjects.training_finished, cb=on_finished)
 
     async def watch_replicas(self, every_s: float = 2.0) -> None:
         """Keep ``self.replicas`` fresh from the registry KV (the HTTP handlers never touch NATS)."""

@@ -39,10 +39,10 @@ async def main(argv: list[str]) -> None:
 
     env = importlib.import_module(TASK_MODULES[task]).make_env(cfg.env)
     async with AsyncExitStack() as stack:
-        nc = await connect(cfg.nats, replica_id)
+        nc = await connect(cfg.nats, replica_id, role="env")
         stack.push_async_callback(nc.drain)
         js = nc.jetstream()
-        await declare_topology(js, subjects, cfg.nats, cfg.controller.heartbeat_ttl_s)
+        await declare_topology(js, subjects, cfg.nats, cfg.controller.heartbeat_ttl_s, role="env")
         host = EnvHost(env, cfg.env, subjects, replica_id)
         service = await host.serve(nc, js)
         stack.push_async_callback(host.shutdown)

@@ -55,10 +55,10 @@ async def main(argv: list[str]) -> None:
     async with AsyncExitStack() as stack:
         if engine is not None:
             stack.callback(engine.close)
-        nc = await connect(cfg.nats, replica_id)
+        nc = await connect(cfg.nats, replica_id, role="rollout")
         stack.push_async_callback(nc.drain)
         js = nc.jetstream()
-        await declare_topology(js, subjects, cfg.nats, cfg.controller.heartbeat_ttl_s)
+        await declare_topology(js, subjects, cfg.nats, cfg.controller.heartbeat_ttl_s, role="rollout")
         worker = RolloutWorker(nc, js, subjects, cfg.rollout, engine, tokenizer, replica_id, model_path)
         jobs = [worker.report_metrics(), heartbeat_loop(js, subjects, "rollout", replica_id, {
             "engine_id": engine_id, "engine": cfg.rollout.engine, "kind": cfg.rollout.engine_kind, "pid": os.getpid()})]

@@ -17,6 +17,7 @@ from services.trainer.trainer import Trainer
 from shared.bus import connect, declare_topology, heartbeat_loop, replica_name
 from shared.config import from_argv
 from shared.log import setup_logging
+from shared.messages import TrainingFinished, encode
 from shared.model import load_model, load_tokenizer, quiet_transformers, resolve_model
 from shared.subjects import Subjects
 
@@ -44,16 +45,20 @@ async def main(argv: list[str]) -> None:
     elif cfg.trainer.backend != "torch":
         raise SystemExit(f"unknown trainer.backend {cfg.trainer.backend!r} (torch | deepspeed)")
     async with AsyncExitStack() as stack:
-        nc = await connect(cfg.nats, replica_id)
+        nc = await connect(cfg.nats, replica_id, role="trainer")
         stack.push_async_callback(nc.drain)
         js = nc.jetstream()
-        await declare_topology(js, subjects, cfg.nats, cfg.controller.heartbeat_ttl_s)
+        await declare_topology(js, subjects, cfg.nats, cfg.controller.heartbeat_ttl_s, role="trainer")
         trainer = trainer_cls(nc, js, subjects, cfg.trainer, model, run_dir, replica_id)
         trainer.resume()  # a restarted trainer continues from its newest checkpoint
         beat = asyncio.create_task(heartbeat_loop(js, subjects, "trainer", replica_id, {"steps": cfg.trainer.steps}))
         stack.callback(beat.cancel)
         log.info("trainer_ready", model=str(model_path), steps=cfg.trainer.steps, min_groups=cfg.trainer.min_groups)
         await trainer.run(stop)
+        if trainer.step >= cfg.trainer.steps:  # done, not stopped part-way: say so (the controller ends the plan)
+            await nc.publish(subjects.training_finished, encode(TrainingFinished(
+                step=trainer.step, policy_version=trainer.policy_version, replica_id=replica_id)))
+            await nc.flush()
         # The final policy as a Hugging Face directory: `--model.name=<run>/model` starts from it.
         await asyncio.to_thread(trainer.export, run_dir / "model")  # full weights (LoRA merged, ZeRO-3 gathered)
         await asyncio.to_thread(load_tokenizer(model_path).save_pretrained, run_dir / "model")

@@ -1,0 +1,253 @@
+"""Who may publish and subscribe to what: one NATS user per role, its subject permissions derived from
+``shared.subjects`` (the contract), defined here once for the embedded server (``jetrl up``), the
+shipped compose config (``compose/nats-server.conf``) and the tests.
+
+Roles and what they may do (JetStream API, KV and object-store internals included):
+
+* ``trainer``: pulls TRAJ through its durable consumer; the only writer of the weights object store,
+  the policy KV and ``weights.published`` / ``trainer.finished``.
+* ``controller``: the only publisher of jobs and ``run.control``; reads TRAJ through its own durable
+  consumer, the trainer consumer's backlog, the registry, metrics and announcements.
+* ``rollout``: pulls JOBS through the shared durable consumer; publishes actions, observations and
+  trajectories; calls env and generation-pool endpoints, serves the pool; reads the weights.
+* ``env``: serves the env endpoints (NATS micro), answers only the requests it receives.
+* ``observer`` (``jetrl watch``, ``jetrl up``'s progress lines, any trajectory-stream reader): reads
+  TRAJ, EPISODES, DLQ, metrics and announcements; publishes nothing but its own ephemeral consumers'
+  API requests, never on a durable consumer of a service.
+* ``admin``: everything; declares the topology (streams and buckets) before the services start, since
+  creating or updating a stream can redirect messages (``republish``, subject transforms) past every
+  other permission.
+
+Every role but admin gets its own inbox prefix (``_INBOX_<role>``) so no role can read another's
+replies, and ``allow_responses`` so responders answer only requests they received. Every service
+role may write the registry KV (heartbeats) and publish dead letters.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from shared.config import ControllerConfig, NatsConfig
+from shared.subjects import Subjects
+
+ROLES = ("admin", "trainer", "controller", "rollout", "env", "observer")
+SERVICE_ROLES = ("trainer", "controller", "rollout", "env")
+API = "$JS.API"
+
+
+class AuthError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class Permissions:
+    """One user's allow and deny lists (NATS subjects with wildcards); deny wins over allow."""
+
+    publish: tuple[str, ...]
+    subscribe: tuple[str, ...]
+    deny_publish: tuple[str, ...] = ()
+    deny_subscribe: tuple[str, ...] = ()
+    allow_responses: bool = True
+    """May publish the one reply to a request it received (NATS ``allow_responses``)."""
+
+
+@dataclass(frozen=True)
+class Credentials:
+    user: str = ""
+    password: str = field(default="", repr=False)
+    creds_file: str = ""
+    inbox_prefix: str = "_INBOX"
+
+
+def inbox_prefix(role: str) -> str:
+    """Replies to a role's requests arrive under this prefix; only that role may subscribe to it."""
+    return "_INBOX" if role == "admin" else f"_INBOX_{role}"
+
+
+# ---------------------------------------------------------------------------- the permission table
+def _stream_read(stream: str) -> list[str]:
+    """Look up a stream and get single messages from it (KV get, object info) without a consumer."""
+    return [f"{API}.STREAM.INFO.{stream}", f"{API}.STREAM.MSG.GET.{stream}",
+            f"{API}.DIRECT.GET.{stream}", f"{API}.DIRECT.GET.{stream}.>"]
+
+
+def _ephemeral_consumers(stream: str) -> list[str]:
+    """Create, pull from, ack, flow-control and delete consumers of ``stream`` (ordered readers, the
+    weights reader). Roles that must not touch a service's durable consumer get denies on top."""
+    return [f"{API}.CONSUMER.CREATE.{stream}", f"{API}.CONSUMER.CREATE.{stream}.>",
+            f"{API}.CONSUMER.INFO.{stream}.*", f"{API}.CONSUMER.DELETE.{stream}.*",
+            f"{API}.CONSUMER.MSG.NEXT.{stream}.*", f"$JS.ACK.{stream}.>", f"$JS.FC.{stream}.>"]
+
+
+def _durable(stream: str, name: str) -> list[str]:
+    """Use one durable pull consumer: create or bind it, pull, ack (in progress, nak, term)."""
+    return [f"{API}.CONSUMER.CREATE.{stream}.{name}", f"{API}.CONSUMER.CREATE.{stream}.{name}.>",
+            f"{API}.CONSUMER.DURABLE.CREATE.{stream}.{name}", f"{API}.CONSUMER.INFO.{stream}.{name}",
+            f"{API}.CONSUMER.MSG.NEXT.{stream}.{name}", f"$JS.ACK.{stream}.{name}.>"]
+
+
+def _not_durable(stream: str, name: str) -> list[str]:
+    """What a reader of ``stream`` must never do to a service's durable consumer ``name``: create or
+    update it, pull from it (stealing its messages), ack its deliveries or delete it."""
+    return [f"{API}.CONSUMER.CREATE.{stream}.{name}", f"{API}.CONSUMER.CREATE.{stream}.{name}.>",
+            f"{API}.CONSUMER.DURABLE.CREATE.{stream}.{name}", f"{API}.CONSUMER.DELETE.{stream}.{name}",
+            f"{API}.CONSUMER.MSG.NEXT.{stream}.{name}", f"$JS.ACK.{stream}.{name}.>"]
+
+
+def role_permissions(subjects: Subjects, role: str) -> Permissions:
+    """The permissions of ``role`` for the run namespace ``subjects``: the one definition."""
+    s = subjects
+    kv_policy, kv_registry = f"KV_{s.policy_kv}", f"KV_{s.registry_kv}"
+    obj_weights = Subjects.object_stream(s.weights_bucket)
+    streams = [s.jobs_stream, s.episodes_stream, s.traj_stream, s.dlq_stream, kv_policy, kv_registry, obj_weights]
+    inbox = f"{inbox_prefix(role)}.>"
+    if role == "admin":
+        return Permissions(publish=(">",), subscribe=(">",), allow_responses=False)
+    if role == "observer":
+        readable = [s.traj_stream, s.episodes_stream, s.dlq_stream]
+        pub = [f"{API}.INFO", f"{API}.STREAM.NAMES", *(p for st in readable for p in _stream_read(st) + _ephemeral_consumers(st))]
+        deny = [*_not_durable(s.traj_stream, s.trainer_consumer), *_not_durable(s.traj_stream, s.controller_consumer)]
+        sub = [inbox, s.traj(">"), *s.episode_stream_subjects, s.dead_letter(">"), s.metrics(">"), s.run_control,
+               s.weights_published, s.training_finished]
+        return Permissions(publish=tuple(pub), subscribe=tuple(sub), deny_publish=tuple(deny), allow_responses=False)
+    if role not in SERVICE_ROLES:
+        raise AuthError(f"unknown role {role!r} (known: {', '.join(ROLES)})")
+    # every service: look its streams up (declare_topology waits for them), heartbeat, dead-letter
+    pub = [f"{API}.INFO", f"{API}.STREAM.NAMES", *(f"{API}.STREAM.INFO.{st}" for st in streams), f"$KV.{s.registry_kv}.>",
+           s.dead_letter(">")]
+    sub = [inbox]
+    if role == "trainer":
+        pub += [s.weights_published, s.training_finished, s.metrics("trainer"),
+                f"$KV.{s.policy_kv}.>", f"$O.{s.weights_bucket}.>", f"{API}.STREAM.PURGE.{obj_weights}",
+                *_stream_read(kv_policy), *_ephemeral_consumers(kv_policy), *_stream_read(obj_weights),
+                *_ephemeral_consumers(obj_weights), *_durable(s.traj_stream, s.trainer_consumer)]
+    elif role == "controller":
+        pub += [s.jobs(">"), s.run_control, s.metrics("controller"), s.env_tasks("*"), s.env_health("*"),
+                *_durable(s.traj_stream, s.controller_consumer), f"{API}.CONSUMER.INFO.{s.traj_stream}.*",
+                *_stream_read(kv_registry), *_ephemeral_consumers(kv_registry),  # registry keys: a KV watch
+                *_stream_read(kv_policy), *_ephemeral_consumers(kv_policy)]
+        # JetStream advisories (a job out of deliveries, ...) are the server's word on our streams: read-only
+        sub += [s.metrics(">"), s.weights_published, s.training_finished, s.run_control, "$JS.EVENT.ADVISORY.>"]
+    elif role == "rollout":
+        pub += [*s.episode_stream_subjects, s.traj(">"), s.metrics("rollout"),
+                f"{s.prefix}.env.>", f"{s.prefix}.gen.>", *_durable(s.jobs_stream, s.rollout_consumer),
+                *_stream_read(kv_policy), *_ephemeral_consumers(kv_policy),  # the policy KV: read and watch
+                *_stream_read(obj_weights), *_ephemeral_consumers(obj_weights)]
+        sub += [s.weights_published, s.training_finished, f"{s.prefix}.gen.>", "$SRV.>"]
+    elif role == "env":
+        sub += [f"{s.prefix}.env.>", "$SRV.>"]
+    return Permissions(publish=tuple(pub), subscribe=tuple(sub))
+
+
+# ---------------------------------------------------------------------------- server config
+def password_env_var(role: str) -> str:
+    """The environment variable holding ``role``'s password where the server reads it from the
+    environment (compose): ``JETRL_NATS_<ROLE>_PASSWORD``."""
+    return f"JETRL_NATS_{role.upper()}_PASSWORD"
+
+
+def server_authorization(subjects: Subjects, passwords: dict[str, str] | None = None) -> str:
+    """The nats-server ``authorization`` block: one user per role of ``ROLES``. With ``passwords``
+    they are written in (the embedded server's config, mode 0600); without, each is the environment
+    variable ``password_env_var(role)``, which nats-server resolves at start-up and refuses to start
+    without. No ``no_auth_user``: a client without credentials is not let in."""
+    lines = ["authorization {", "  users = ["]
+    for role in ROLES:
+        perms = role_permissions(subjects, role)
+        secret = json.dumps(passwords[role]) if passwords is not None else "$" + password_env_var(role)
+        publish: dict[str, list[str]] = {"allow": list(perms.publish)}
+        if perms.deny_publish:
+            publish["deny"] = list(perms.deny_publish)
+        subscribe: dict[str, list[str]] = {"allow": list(perms.subscribe)}
+        if perms.deny_subscribe:
+            subscribe["deny"] = list(perms.deny_subscribe)
+        body = f'"publish": {json.dumps(publish)}, "subscribe": {json.dumps(subscribe)}'
+        if perms.allow_responses:
+            body += ', "allow_responses": true'
+        lines.append(f'    {{user: "{role}", password: {secret}, permissions: {{{body}}}}}')
+    lines += ["  ]", "}"]
+    return "\n".join(lines) + "\n"
+
+
+def generate_passwords(auth_dir: str | os.PathLike[str]) -> dict[str, str]:
+    """A fresh random password per role, each written to ``<auth_dir>/<role>.password`` (0600). A
+    directory written before is read back instead, so a resumed run keeps its users."""
+    auth_dir = Path(auth_dir)
+    auth_dir.mkdir(parents=True, exist_ok=True)
+    os.chmod(auth_dir, 0o700)
+    out: dict[str, str] = {}
+    for role in ROLES:
+        path = auth_dir / f"{role}.password"
+        if path.is_file() and path.read_text().strip():
+            out[role] = path.read_text().strip()
+            continue
+        out[role] = secrets.token_urlsafe(24)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            fh.write(out[role] + "\n")
+    return out
+
+
+# ---------------------------------------------------------------------------- client side
+def credentials(cfg: NatsConfig, role: str | None) -> Credentials:
+    """What a client of ``role`` connects with: ``nats.creds_file``, else ``nats.user`` with
+    ``nats.password`` or ``nats.password_file``, else user ``role`` with ``<nats.auth_dir>/<role>.password``,
+    else nothing (an open server)."""
+    if cfg.creds_file:
+        return Credentials(creds_file=cfg.creds_file)
+    if cfg.user:
+        password = cfg.password
+        if not password and cfg.password_file:
+            password = _read_secret(cfg.password_file, "nats.password_file")
+        return Credentials(user=cfg.user, password=password, inbox_prefix=inbox_prefix(cfg.user)
+                           if cfg.user in ROLES else "_INBOX")
+    if cfg.auth_dir and role:
+        if role not in ROLES:
+            raise AuthError(f"unknown role {role!r} (known: {', '.join(ROLES)})")
+        password = _read_secret(Path(cfg.auth_dir) / f"{role}.password", "nats.auth_dir")
+        return Credentials(user=role, password=password, inbox_prefix=inbox_prefix(role))
+    return Credentials()
+
+
+def manages_topology(cfg: NatsConfig, role: str | None) -> bool:
+    """Whether this client creates and updates streams and buckets: on an open server, with one shared
+    user (the behaviour before roles), and as admin; a role user only waits for them to exist."""
+    user = credentials(cfg, role).user
+    return user not in ROLES or user == "admin"
+
+
+def _read_secret(path: str | os.PathLike[str], key: str) -> str:
+    try:
+        value = Path(path).read_text().strip()
+    except OSError as exc:
+        raise AuthError(f"{key}: cannot read {path}: {exc.strerror}") from None
+    if not value:
+        raise AuthError(f"{key}: {path} is empty")
+    return value
+
+
+def controller_token(cfg: ControllerConfig) -> str:
+    """The status API's bearer token: ``controller.http_token``, else ``controller.http_token_file``'s
+    content, else empty (no token asked)."""
+    if cfg.http_token or not cfg.http_token_file:
+        return cfg.http_token
+    return _read_secret(cfg.http_token_file, "controller.http_token_file")
+
+
+COMPOSE_HEADER = """\
+# nats-server configuration for compose/docker-compose.yml: one user per JetRL role, with the subject
+# permissions of shared/auth.py. Generated, do not edit: python -m shared.auth > compose/nats-server.conf
+# Passwords come from the environment (JETRL_NATS_<ROLE>_PASSWORD; `jetrl secrets` writes compose/.env);
+# the server refuses to start without them, and a client without credentials is not let in.
+"""
+
+
+if __name__ == "__main__":  # the compose config, for the default prefix
+    import sys
+
+    prefix = sys.argv[1] if len(sys.argv) > 1 else "jetrl"
+    sys.stdout.write(COMPOSE_HEADER + server_authorization(Subjects(prefix)))
