@@ -1,4 +1,5 @@
-"""Status API: ``GET /status`` (JSON) and ``GET /metrics`` (Prometheus text), served by litestar."""
+"""Status API: ``GET /status`` (JSON) and ``GET /metrics`` (Prometheus text), served by litestar; the
+dashboard and trajectory viewer (``services/controller/dashboard.py``) on the same server."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from prometheus_client import CollectorRegistry, Gauge, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from services.controller.controller import Controller
+from services.controller.dashboard import dashboard_routes
 
 
 def create_app(controller: Controller) -> Litestar:
@@ -40,4 +42,4 @@ def create_app(controller: Controller) -> Litestar:
             trainer.labels(name).set(value)
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
-    return Litestar([status, metrics])
+    return Litestar([status, metrics, *dashboard_routes(controller)])
