@@ -198,6 +198,7 @@ def test_dashboard_in_a_real_browser_during_a_real_run(config: JetRLConfig, tmp_
     cfg_path = tmp_path / "dash.toml"
     save_config(cfg, cfg_path)
     procs: dict[str, subprocess.Popen[bytes]] = {}
+    started = time.monotonic()
     for name, module in (("env-db", ["services.envs", "db"]), ("rollout", ["services.rollout"]),
                          ("trainer", ["services.trainer"]), ("controller", ["services.controller"])):
         with open(run_dir / f"{name}.log", "ab") as fh:
@@ -210,14 +211,20 @@ def test_dashboard_in_a_real_browser_during_a_real_run(config: JetRLConfig, tmp_
             assert time.monotonic() < deadline and procs["controller"].poll() is None, "controller did not start"
             time.sleep(0.2)
         url = (run_dir / "controller.url").read_text().strip()
+        d: dict = {}
         while True:  # two trainer steps and some finished episodes: every chart has something to draw
-            d = _get(f"{url}/api/dashboard")
-            if len(d["series"].get("task/db/success", [])) >= 2 and d["status"]["episodes_finished"] >= 4:
+            try:
+                d = _get(f"{url}/api/dashboard")
+            except OSError:  # the URL is written before the server listens
+                d = {}
+            if d and len(d["series"].get("task/db/success", [])) >= 2 and d["status"]["episodes_finished"] >= 4:
                 break
             dead = [n for n, p in procs.items() if p.poll() is not None and n != "trainer"]
-            assert not dead and time.monotonic() < deadline, f"run stalled: {dead} {d['status']}"
+            assert not dead and time.monotonic() < deadline, f"run stalled: {dead} {d.get('status')}"
             time.sleep(0.5)
 
+        ready_s = time.monotonic() - started
+        print(f"ready after {ready_s:.0f} s: {d['status']}", flush=True)
         with playwright_api.sync_playwright() as pw:
             browser = pw.chromium.launch(executable_path=browser_path, headless=True,
                                          args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"])
@@ -226,10 +233,10 @@ def test_dashboard_in_a_real_browser_during_a_real_run(config: JetRLConfig, tmp_
             page.on("pageerror", lambda exc: errors.append(str(exc)))
             page.goto(f"{url}/dashboard")
             # charts drawn from the run's numbers: a polyline per task, points counted on the element
-            page.wait_for_selector("#chart-success svg polyline[data-series='db']", timeout=20000)
+            page.wait_for_selector("#chart-success svg polyline[data-series='db']", state="attached", timeout=20000)
             assert int(page.get_attribute("#chart-success", "data-points")) >= 2
             assert int(page.get_attribute("#chart-step-time", "data-points")) >= 2
-            page.wait_for_selector("#chart-tokens-rate svg polyline", timeout=20000)
+            page.wait_for_selector("#chart-tokens-rate svg polyline", state="attached", timeout=20000)
             assert int(page.get_attribute("#chart-staleness", "data-points")) > 0  # turns counted
             finished = int(page.inner_text(".card[data-key='episodes finished'] .v"))
             assert finished >= 4
@@ -249,18 +256,20 @@ def test_dashboard_in_a_real_browser_during_a_real_run(config: JetRLConfig, tmp_
             page.click("#episode-filter button[type='submit']")
             page.wait_for_timeout(300)
             page.screenshot(path=str(run_dir / "trajectories.png"), full_page=True)
-            first = page.query_selector("table.episodes tbody tr:not(:has(.status-running))")
-            assert first is not None
-            episode_id = first.get_attribute("data-episode")
-            first.click()
+            episode_id = page.get_attribute("table.episodes tbody tr:not(:has(.status-running))", "data-episode")
+            assert episode_id
+            page.click(f"table.episodes tr[data-episode='{episode_id}']")
             page.wait_for_selector("#episode-turns .turn", timeout=20000)
             turns = page.query_selector_all("#episode-turns .turn")
             assert turns and all(t.get_attribute("data-engine") for t in turns)
             assert "policy v" in turns[0].inner_text() and episode_id in page.inner_text("#episode-title")
             assert page.query_selector("#episode-turns .turn pre.observation") is not None
+            assert page.query_selector_all("#engine-legend .badge")  # the colour key of the engines
+            assert "[object" not in page.inner_text("body")
             page.screenshot(path=str(run_dir / "trajectory.png"), full_page=True)
             assert not errors, errors
             browser.close()
+        print(f"run ready for the page after {ready_s:.0f} s; browser part {time.monotonic() - started - ready_s:.0f} s")
         if os.environ.get("JETRL_UPDATE_DOCS_IMG"):  # refresh the pictures in docs/ from this run
             DOCS_IMG.mkdir(parents=True, exist_ok=True)
             for name in ("dashboard.png", "trajectories.png", "trajectory.png"):

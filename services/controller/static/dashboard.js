@@ -7,6 +7,7 @@ const PALETTE = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b
 const SVG_NS = "http://www.w3.org/2000/svg";
 let pollTimer = null;
 let liveSource = null;
+let lastEpisodeList = "";
 
 // ------------------------------------------------------------------ small DOM helpers
 function h(tag, attrs, ...children) {
@@ -80,7 +81,9 @@ function lineChart(el, series, opts = {}) {
     svg.append(s("line", { class: "grid-line", x1: M.l, x2: W - M.r, y1: Y(t), y2: Y(t) }));
     svg.append(s("text", { x: M.l - 4, y: Y(t) + 3, "text-anchor": "end" }, opts.yFmt ? opts.yFmt(t) : fmt(t, 2)));
   }
-  for (const t of ticks(x0, x1)) {
+  const stepAxis = !opts.xLabel || opts.xLabel === "step";  // training steps: whole numbers only
+  const xTicks = stepAxis ? [...new Set(ticks(x0, x1).map(Math.round))].filter((t) => t >= x0 && t <= x1) : ticks(x0, x1);
+  for (const t of xTicks) {
     svg.append(s("text", { x: X(t), y: H - M.b + 13, "text-anchor": "middle" }, opts.xFmt ? opts.xFmt(t) : fmt(t, 3)));
   }
   svg.append(s("line", { class: "axis", x1: M.l, x2: W - M.r, y1: H - M.b, y2: H - M.b }));
@@ -198,6 +201,9 @@ async function refreshEpisodes() {
   const params = new URLSearchParams();
   for (const [k, v] of new FormData(form)) if (v !== "") params.set(k, v);
   const d = await getJSON("/api/episodes?" + params);
+  const key = params.toString() + JSON.stringify(d);
+  if (key === lastEpisodeList) return;  // unchanged: keep the rows (and whatever the pointer is on)
+  lastEpisodeList = key;
   for (const [name, values] of [["task", d.tasks], ["status", ["running", ...d.statuses]]]) {
     const sel = form.elements[name];
     const have = new Set([...sel.options].map((o) => o.value));
@@ -245,7 +251,7 @@ function renderEpisode(d) {
       `v${sm.min_version}–v${sm.max_version}`, sm.replica_id]], { numeric: [3, 4] }) : h("div", { class: "muted" }, "not finished yet"));
   const engines = [...new Set(d.turns.map((t) => t.engine_id).filter(Boolean))];
   document.getElementById("engine-legend").replaceChildren(h("span", { class: "label" }, "engines: "),
-    engines.map((e) => h("span", { class: "badge", style: `background:${colorOf(e)}` }, e)));
+    ...engines.map((e) => h("span", { class: "badge", style: `background:${colorOf(e)}` }, e)));
   document.getElementById("episode-turns").replaceChildren(...d.turns.map(turnElement));
 }
 
@@ -286,6 +292,7 @@ function route() {
     refreshDashboard();
     pollTimer = setInterval(refreshDashboard, 2000);
   } else if (name === "episodes") {
+    lastEpisodeList = "";
     refreshEpisodes();
     pollTimer = setInterval(refreshEpisodes, 5000);
   } else {

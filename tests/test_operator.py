@@ -1,0 +1,85 @@
+"""Operator tooling: TensorBoard events beside metrics.jsonl, progress with ETA, the container healthcheck."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from shared.bus import heartbeat_loop
+from shared.progress import Progress, format_duration
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+async def test_trainer_writes_tensorboard_events_with_the_metrics_jsonl_keys(nc, config, subjects, tmp_path) -> None:
+    import torch
+
+    from services.trainer.trainer import Trainer
+
+    event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator",
+                                            reason="PyPI tensorboard is not installed")
+    trainer = Trainer(nc, nc.jetstream(), subjects, config.trainer, torch.nn.Linear(1, 1), tmp_path, "trainer-t")
+    assert trainer.tensorboard is not None
+    for step, success in ((1, 0.25), (2, 0.75)):
+        trainer.step = trainer.policy_version = step
+        trainer._record({"train/trajectories": 8.0, "train/step_s": 1.5, "train/loss": -0.01 * step,
+                         "task/db/success": success, "task/db/adv_hist": [0, 1, 2, 3, 4, 4, 3, 2, 1, 0]})
+    await asyncio.sleep(0.1)  # the metrics publish the trainer schedules
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    acc = event_accumulator.EventAccumulator(str(tmp_path), size_guidance={"scalars": 0, "histograms": 0})
+    acc.Reload()
+    scalar_keys = {k for k, v in rows[0].items() if isinstance(v, float) and k not in ("ts",)}
+    assert set(acc.Tags()["scalars"]) == scalar_keys  # the same keys, one event stream per key
+    assert [(e.step, e.value) for e in acc.Scalars("task/db/success")] == [(1, 0.25), (2, 0.75)]
+    hist = acc.Histograms("task/db/adv_hist")
+    assert [h.step for h in hist] == [1, 2] and list(hist[0].histogram_value.bucket) == [0, 1, 2, 3, 4, 4, 3, 2, 1, 0]
+
+
+def test_progress_bar_on_a_terminal_and_lines_in_a_log() -> None:
+    tty = io.StringIO()
+    bar = Progress("eval db", total=4, unit="episodes", stream=tty, tty=True, every_s=0)
+    for _ in range(4):
+        bar.update(note="db")
+    bar.close()
+    frames = tty.getvalue().split("\r\x1b[2K")
+    assert len(frames) >= 4 and "[########################] 4/4 episodes 100%" in frames[-1]
+    assert frames[-1].endswith("\n") and "eta 0:00" in frames[-1]
+
+    log = io.StringIO()
+    lines = Progress("build", total=10, unit="games", stream=log, tty=False, every_s=3600)
+    lines.update(5)  # within every_s of the last line: nothing yet (the first update draws)
+    lines.update(1)
+    lines.set(10)  # the end always draws
+    out = log.getvalue().splitlines()
+    assert len(out) == 2 and out[0].startswith("build [############............] 5/10 games  50%")
+    assert "eta" in out[0] and "10/10" in out[1] and "\r" not in log.getvalue()
+    assert format_duration(3725) == "1:02:05" and format_duration(65) == "1:05"
+
+
+def _healthcheck(config, *args: str) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, JETRL__NATS__URL=config.nats.url, JETRL__NATS__PREFIX=config.nats.prefix)
+    return subprocess.run([sys.executable, "-m", "shared.healthcheck", *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=60)
+
+
+async def test_container_healthcheck_reads_this_hosts_heartbeats(nc, config, subjects) -> None:
+    sick = await asyncio.to_thread(_healthcheck, config)  # nothing heartbeats yet
+    assert sick.returncode == 1 and "no replica" in sick.stderr
+    beat = asyncio.create_task(heartbeat_loop(nc.jetstream(), subjects, "rollout", "rollout-hc", {}, every_s=0.5))
+    try:
+        await asyncio.sleep(0.5)
+        ok = await asyncio.to_thread(_healthcheck, config)
+        assert ok.returncode == 0 and "rollout-hc" in ok.stdout, ok.stderr
+        other = await asyncio.to_thread(_healthcheck, config, "--host", "some-other-container")
+        assert other.returncode == 1
+        dead_http = await asyncio.to_thread(_healthcheck, config, "--http", "http://127.0.0.1:9/status")
+        assert dead_http.returncode == 1 and "http://127.0.0.1:9/status" in dead_http.stderr
+    finally:
+        beat.cancel()
