@@ -193,14 +193,19 @@ def test_dashboard_in_a_real_browser_during_a_real_run(config: JetRLConfig, tmp_
     cfg.rollout.max_new_tokens, cfg.rollout.concurrency = 12, 2
     cfg.trainer.steps, cfg.trainer.min_groups, cfg.trainer.lr = 3, 1, 1e-3
     cfg.env.num_train_tasks, cfg.env.num_test_tasks = 8, 4
+    roles = [("env-db", ["services.envs", "db"]), ("rollout", ["services.rollout"]),
+             ("trainer", ["services.trainer"]), ("controller", ["services.controller"])]
+    update_docs = bool(os.environ.get("JETRL_UPDATE_DOCS_IMG"))
+    if update_docs:  # the pictures in docs/: cross-policy turns from a second (stale) engine, in two colours
+        cfg.rollout.cross_policy_prob = 0.5
+        roles.append(("stale", ["services.rollout", "--rollout.engine_kind=stale", "--rollout.serve_jobs=false"]))
     run_dir = Path(cfg.run.dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg_path = tmp_path / "dash.toml"
     save_config(cfg, cfg_path)
     procs: dict[str, subprocess.Popen[bytes]] = {}
     started = time.monotonic()
-    for name, module in (("env-db", ["services.envs", "db"]), ("rollout", ["services.rollout"]),
-                         ("trainer", ["services.trainer"]), ("controller", ["services.controller"])):
+    for name, module in roles:
         with open(run_dir / f"{name}.log", "ab") as fh:
             procs[name] = subprocess.Popen([sys.executable, "-m", *module, "--config", str(cfg_path)], cwd=REPO,
                                            stdout=fh, stderr=subprocess.STDOUT,
@@ -270,7 +275,7 @@ def test_dashboard_in_a_real_browser_during_a_real_run(config: JetRLConfig, tmp_
             assert not errors, errors
             browser.close()
         print(f"run ready for the page after {ready_s:.0f} s; browser part {time.monotonic() - started - ready_s:.0f} s")
-        if os.environ.get("JETRL_UPDATE_DOCS_IMG"):  # refresh the pictures in docs/ from this run
+        if update_docs:  # refresh the pictures in docs/ from this run
             DOCS_IMG.mkdir(parents=True, exist_ok=True)
             for name in ("dashboard.png", "trajectories.png", "trajectory.png"):
                 shutil.copy(run_dir / name, DOCS_IMG / name)

@@ -83,3 +83,17 @@ async def test_container_healthcheck_reads_this_hosts_heartbeats(nc, config, sub
         assert dead_http.returncode == 1 and "http://127.0.0.1:9/status" in dead_http.stderr
     finally:
         beat.cancel()
+
+
+def test_a_long_build_reports_the_megabytes_it_has_written(tmp_path, monkeypatch, capfd) -> None:
+    """The OS rootfs build (mmdebstrap, minutes) shows progress: the size of its target so far."""
+    from services.envs.os_task.sandbox import _run_with_progress
+
+    monkeypatch.setenv("JETRL_PROGRESS_EVERY_S", "0.5")
+    monkeypatch.setenv("JETRL_PROGRESS", "lines")
+    target = tmp_path / "rootfs"
+    script = f"mkdir -p {target} && head -c 3000000 /dev/zero > {target}/a && sleep 2.5 && echo done >&2"
+    rc, stderr = _run_with_progress(["sh", "-c", script], target, "os rootfs test", env=dict(os.environ))
+    assert rc == 0 and stderr.strip() == "done"
+    lines = [x for x in capfd.readouterr().err.splitlines() if x.startswith("os rootfs test")]
+    assert len(lines) >= 2 and lines[-1].startswith("os rootfs test 3 MB") and "elapsed 0:0" in lines[-1]
