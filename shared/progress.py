@@ -4,6 +4,8 @@
         for ...:
             bar.update()          # or bar.set(done)
 
+    results = list(track(pool.map(run, ids), "os tasks", total=len(ids), unit="tasks"))
+
 On a TTY one line is redrawn in place (at most 10 times a second); anywhere else (a log file, CI,
 a pipe) a plain line is written every ``every_s`` seconds and at the end, so a 14-minute command
 never looks dead. The ETA is the remaining count at the average rate so far.
@@ -14,8 +16,11 @@ from __future__ import annotations
 import os
 import sys
 import time
+from collections.abc import Iterable, Iterator, Sized
 from types import TracebackType
-from typing import TextIO
+from typing import TextIO, TypeVar
+
+T = TypeVar("T")
 
 
 def format_duration(seconds: float) -> str:
@@ -93,3 +98,13 @@ class Progress:
         else:
             self.stream.write(text + "\n")
         self.stream.flush()
+
+
+def track(items: Iterable[T], label: str, total: int | None = None, unit: str = "items") -> Iterator[T]:
+    """Yield ``items`` while showing progress over them (``total`` defaults to ``len(items)``)."""
+    if total is None and isinstance(items, Sized):
+        total = len(items)
+    with Progress(label, total=total, unit=unit) as bar:
+        for item in items:
+            yield item
+            bar.update()

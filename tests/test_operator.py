@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from shared.bus import heartbeat_loop
-from shared.progress import Progress, format_duration
+from shared.progress import Progress, format_duration, track
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -40,6 +40,12 @@ async def test_trainer_writes_tensorboard_events_with_the_metrics_jsonl_keys(nc,
     assert [(e.step, e.value) for e in acc.Scalars("task/db/success")] == [(1, 0.25), (2, 0.75)]
     hist = acc.Histograms("task/db/adv_hist")
     assert [h.step for h in hist] == [1, 2] and list(hist[0].histogram_value.bucket) == [0, 1, 2, 3, 4, 4, 3, 2, 1, 0]
+
+
+def test_track_wraps_an_iterable(capsys, monkeypatch) -> None:
+    monkeypatch.setenv("JETRL_PROGRESS", "lines")
+    assert list(track(iter([1, 2, 3]), "bench stages", total=3, unit="stages")) == [1, 2, 3]
+    assert "bench stages [########################] 3/3 stages 100%" in capsys.readouterr().err
 
 
 def test_progress_bar_on_a_terminal_and_lines_in_a_log() -> None:
