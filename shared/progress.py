@@ -43,6 +43,8 @@ class Progress:
         self.started = time.monotonic()
         self._last_draw = -1e9
         self._closed = False
+        self._drawn: tuple[int, str] | None = None  # (count, note) of the last line written
+        self._note = ""
 
     # ------------------------------------------------------------------ counting
     def update(self, n: int = 1, note: str = "") -> None:
@@ -50,17 +52,20 @@ class Progress:
 
     def set(self, done: int, note: str = "") -> None:
         self.done = done
+        self._note = note or self._note
         now = time.monotonic()
         finished = self.total is not None and done >= self.total
         if finished or now - self._last_draw >= (0.1 if self.tty else self.every_s):
             self._last_draw = now
-            self._draw(note)
+            self._draw(self._note)
 
     def close(self, note: str = "") -> None:
         if self._closed:
             return
         self._closed = True
-        self._draw(note, final=True)
+        if not self.tty and not note and self._drawn == (self.done, self._note):
+            return  # the last line already says it all
+        self._draw(note or self._note, final=True)
 
     def __enter__(self) -> Progress:
         return self
@@ -92,6 +97,7 @@ class Progress:
         return f"{head}  {rate_text}  {tail}" + (f"  {note}" if note else "")
 
     def _draw(self, note: str, final: bool = False) -> None:
+        self._drawn = (self.done, note)
         text = self.line(note)
         if self.tty:
             self.stream.write("\r\x1b[2K" + text + ("\n" if final else ""))

@@ -103,3 +103,27 @@ def test_a_long_build_reports_the_megabytes_it_has_written(tmp_path, monkeypatch
     assert rc == 0 and stderr.strip() == "done"
     lines = [x for x in capfd.readouterr().err.splitlines() if x.startswith("os rootfs test")]
     assert len(lines) >= 2 and lines[-1].startswith("os rootfs test 3 MB") and "elapsed 0:0" in lines[-1]
+
+
+async def test_jetrl_eval_progress_reads_the_controllers_plan(nc, config, subjects, tmp_path, capfd,
+                                                              monkeypatch) -> None:
+    """`jetrl eval` shows finished episodes against the controller's plan, per task, from /status."""
+    from jetrl.cli import _EvalProgress
+    from services.controller.api import create_app
+    from services.controller.controller import Controller
+    from tests.test_dashboard import served
+
+    monkeypatch.setenv("JETRL_PROGRESS", "lines")
+    controller = Controller(nc, nc.jetstream(), subjects, config, "controller-eval")
+    controller.eval_planned = {"db": 8, "kg": 4}
+    controller.books["db"].finished, controller.books["kg"].finished = 6, 0
+    async with served(create_app(controller)) as client:
+        (tmp_path / "controller.url").write_text(str(client.base_url) + "\n")
+        progress = _EvalProgress(tmp_path, every_s=0.0)
+        await progress.poll()
+        controller.books["kg"].finished = 4
+        await progress.poll()
+        progress.bar.close()
+    lines = [x for x in capfd.readouterr().err.splitlines() if x.startswith("jetrl eval")]
+    assert lines[0].startswith("jetrl eval [############............] 6/12 episodes  50%") and "db 6/8  kg 0/4" in lines[0]
+    assert "eta" in lines[0] and "10/12" in lines[-1] and "kg 4/4" in lines[-1]

@@ -32,6 +32,11 @@ from shared.subjects import Subjects
 
 log = structlog.get_logger()
 
+SERIES_KEYS = ("train/step_s", "train/loss", "train/trajectories", "train/tokens", "train/staleness_mean")
+SERIES_TASK_SUFFIXES = ("/success", "/reward", "/turns")
+"""The trainer metrics the dashboard draws over steps (the rest stay in metrics.jsonl and TensorBoard)."""
+MAX_POINTS = 400
+"""A series longer than this is thinned (every k-th point, the last kept): a poll stays small in long runs."""
 STALENESS_BINS = 11
 """Staleness histogram bins: 0, 1, ..., 9 versions behind, and 10 or more."""
 RATE_WINDOW_S = 20.0
@@ -303,13 +308,15 @@ class RunBoard:
         series: dict[str, list[list[float]]] = defaultdict(list)  # name -> [[step, value], ...]
         for r in rows:
             for key, value in r.items():
-                if key.startswith(("task/", "train/")) and isinstance(value, (int, float)):
+                if key in SERIES_KEYS or key.endswith(SERIES_TASK_SUFFIXES) and key.startswith("task/"):
                     series[key].append([r["step"], float(value)])
+        series = {k: thin(v) for k, v in series.items()}
         busy = []  # a step's share of the wall time since the previous report
         for prev, cur in zip(rows, rows[1:], strict=False):
             wall = cur["ts"] - prev["ts"]
             if wall > 0 and "train/step_s" in cur:
                 busy.append([cur["step"], min(1.0, cur["train/step_s"] / wall)])
+        busy = thin(busy)
         span = rows[-1]["ts"] - rows[0]["ts"] + rows[0].get("train/step_s", 0.0) if rows else 0.0
         busy_overall = sum(r.get("train/step_s", 0.0) for r in rows) / span if span > 0 else 0.0
         advantages = {}
@@ -337,7 +344,7 @@ class RunBoard:
             "tasks": tasks,
             "series": series,
             "busy": busy, "busy_overall": busy_overall,
-            "rates": list(self.rates)[-300:],
+            "rates": list(self.rates)[-MAX_POINTS:],
             "staleness": {"bins": [str(i) for i in range(STALENESS_BINS - 1)] + [f"{STALENESS_BINS - 1}+"],
                           "counts": self.staleness},
             "advantages": advantages,
@@ -347,6 +354,13 @@ class RunBoard:
             "live_episodes": len(self.live),
             "server_time": now,
         }
+
+
+def thin(points: list[list[float]], limit: int = MAX_POINTS) -> list[list[float]]:
+    if len(points) <= limit:
+        return points
+    every = -(-len(points) // limit)
+    return points[::every] if (len(points) - 1) % every == 0 else points[::every] + [points[-1]]
 
 
 def event_json(event: ActionEvent | ObservationEvent) -> dict[str, Any]:
