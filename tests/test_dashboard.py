@@ -196,6 +196,8 @@ def test_dashboard_in_a_real_browser_during_a_real_run(config: JetRLConfig, tmp_
     roles = [("env-db", ["services.envs", "db"]), ("rollout", ["services.rollout"]),
              ("trainer", ["services.trainer"]), ("controller", ["services.controller"])]
     update_docs = bool(os.environ.get("JETRL_UPDATE_DOCS_IMG"))
+    # an untrained model's episodes end at its first unusable tool call: short episodes, quick steps
+    cfg.env.invalid_action_ends_episode = not update_docs
     if update_docs:  # the pictures in docs/: cross-policy turns from a second (stale) engine, in two colours
         cfg.rollout.cross_policy_prob = 0.5
         roles.append(("stale", ["services.rollout", "--rollout.engine_kind=stale", "--rollout.serve_jobs=false"]))
