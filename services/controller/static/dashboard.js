@@ -180,7 +180,7 @@ function renderDashboard(d) {
   document.getElementById("table-replicas").replaceChildren(table(
     ["role", "replica", "host", "heartbeat age", "policy version", "engine"],
     d.replicas.map((r) => [r.role, r.replica_id, r.host, age(r.age_s), r.policy_version ?? "–",
-      (r.info && (r.info.engine_id || r.info.engine)) || ""]),
+      r.info && r.info.engine_id ? `${r.info.engine_id} (${r.info.engine || "?"}, ${r.info.kind || "current"})` : ""]),
     { numeric: [3, 4], class: "replicas", rowAttrs: (i) => ({ "data-role": d.replicas[i].role }) }));
   const dlq = Object.entries(d.dlq);
   document.getElementById("table-dlq").replaceChildren(table(["service", "dead letters"], dlq, { numeric: [1], empty: "none" }));
