@@ -87,7 +87,8 @@ async def test_dashboard_json_from_real_streams(nc, config, subjects) -> None:
         for turn in range(2):
             await js.publish(subjects.action("db", "e-live"), encode(ActionEvent(
                 episode_id="e-live", task="db", turn=turn, replica_id="rollout-x", engine_id=f"engine-{turn}",
-                policy_version=2 + turn, message={"role": "assistant", "content": f"thinking {turn}",
+                policy_version=2 + turn, opening=[{"role": "user", "content": "How many rows?"}] if turn == 0 else [],
+                message={"role": "assistant", "content": f"thinking {turn}",
                                                   "tool_calls": [{"function": {"name": "execute_sql",
                                                                                "arguments": "{\"sql\": \"SELECT 1\"}"}}]})))
             await js.publish(subjects.observation("db", "e-live"), encode(ObservationEvent(
@@ -139,6 +140,7 @@ async def test_dashboard_json_from_real_streams(nc, config, subjects) -> None:
                            "max_version=2": [], "status=completed&task=db": ["e-db"]}
             one = (await client.get("/api/episodes/e-live")).json()
             assert one["running"] and one["task"] == "db"
+            assert one["opening"] == [{"role": "user", "content": "How many rows?"}]  # turn 0 carries the task
             assert [(t["turn"], t["engine_id"], t["policy_version"]) for t in one["turns"]] == [
                 (0, "engine-0", 2), (1, "engine-1", 3)]
             assert one["turns"][1]["action"]["tool_calls"][0]["function"]["name"] == "execute_sql"
@@ -272,6 +274,7 @@ def test_dashboard_in_a_real_browser_during_a_real_run(config: JetRLConfig, tmp_
             assert "policy v" in turns[0].inner_text() and episode_id in page.inner_text("#episode-title")
             assert page.query_selector("#episode-turns .turn pre.observation") is not None
             assert page.query_selector_all("#engine-legend .badge")  # the colour key of the engines
+            assert page.inner_text("#episode-opening-messages pre.opening")  # the task the episode was about
             assert "[object" not in page.inner_text("body")
             page.screenshot(path=str(run_dir / "trajectory.png"), full_page=True)
             assert not errors, errors

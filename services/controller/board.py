@@ -292,10 +292,11 @@ class RunBoard:
         turns: dict[int, dict[str, Any]] = {}
         for event in events:
             turn = turns.setdefault(event.turn, {"turn": event.turn})
-            turn.update(event_json(event))
+            turn.update({k: v for k, v in event_json(event).items() if k != "opening"})  # kept once, below
         summary = self.episodes.get(episode_id)
         live = self.live.get(episode_id)
-        return {"episode_id": episode_id, "summary": asdict(summary) if summary else None,
+        opening = next((e.opening for e in events if isinstance(e, ActionEvent) and e.opening), [])
+        return {"episode_id": episode_id, "summary": asdict(summary) if summary else None, "opening": opening,
                 "running": summary is None and live is not None,
                 "task": summary.task if summary else (live.task if live else (events[0].task if events else "")),
                 "turns": [turns[k] for k in sorted(turns)]}
@@ -366,7 +367,8 @@ def thin(points: list[list[float]], limit: int = MAX_POINTS) -> list[list[float]
 def event_json(event: ActionEvent | ObservationEvent) -> dict[str, Any]:
     """An event's fields under the names the viewer reads (an action and its observation share a turn)."""
     if isinstance(event, ActionEvent):
-        return {"action": event.message, "engine_id": event.engine_id, "policy_version": event.policy_version,
-                "replica_id": event.replica_id, "action_ts": event.ts}
+        out = {"action": event.message, "engine_id": event.engine_id, "policy_version": event.policy_version,
+               "replica_id": event.replica_id, "action_ts": event.ts}
+        return out | {"opening": event.opening} if event.opening else out
     return {"observation": event.messages, "reward": event.reward, "finish": event.finish, "status": event.status,
             "observation_ts": event.ts}

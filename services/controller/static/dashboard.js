@@ -249,6 +249,9 @@ function renderEpisode(d) {
     ["task id", "split", "status", "reward", "turns", "tokens (generated)", "policy versions", "replica"],
     [[sm.task_id, sm.split, sm.status, fmt(sm.reward), sm.turns, `${sm.tokens} (${sm.generated_tokens})`,
       `v${sm.min_version}–v${sm.max_version}`, sm.replica_id]], { numeric: [3, 4] }) : h("div", { class: "muted" }, "not finished yet"));
+  document.getElementById("episode-opening").hidden = !(d.opening && d.opening.length);
+  document.getElementById("episode-opening-messages").replaceChildren(...(d.opening || []).map((m) =>
+    h("div", {}, h("div", { class: "label" }, m.role), h("pre", { class: "opening" }, m.content ?? ""))));
   const engines = [...new Set(d.turns.map((t) => t.engine_id).filter(Boolean))];
   document.getElementById("engine-legend").replaceChildren(h("span", { class: "label" }, "engines: "),
     ...engines.map((e) => h("span", { class: "badge", style: `background:${colorOf(e)}` }, e)));
@@ -267,6 +270,7 @@ function followEpisode(id, d) {
   liveSource = new EventSource(`/api/episodes/${encodeURIComponent(id)}/follow`);
   liveSource.addEventListener("turn", (ev) => {
     const x = JSON.parse(ev.data);
+    if (x.opening) { d.opening = x.opening; delete x.opening; }
     byTurn.set(x.turn, Object.assign(byTurn.get(x.turn) || {}, x));
     d.turns = [...byTurn.values()].sort((a, b) => a.turn - b.turn);
     renderEpisode(d);
