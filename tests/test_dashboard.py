@@ -249,6 +249,8 @@ def test_dashboard_in_a_real_browser_during_a_real_run(config: JetRLConfig, tmp_
             assert int(page.get_attribute("#chart-staleness", "data-points")) > 0  # turns counted
             finished = int(page.inner_text(".card[data-key='episodes finished'] .v"))
             assert finished >= 4
+            db_row = page.inner_text("table.tasks tbody tr").split()  # db, published, finished, ...
+            assert db_row[0] == "db" and int(db_row[2]) >= 4
             # replicas with a heartbeat age in seconds and the rollout's weight version
             page.wait_for_selector("table.replicas tr[data-role='rollout']", timeout=20000)
             row = page.inner_text("table.replicas tr[data-role='rollout']")

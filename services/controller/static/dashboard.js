@@ -154,6 +154,13 @@ function renderDashboard(d) {
     ["trainer busy", fmt(100 * d.busy_overall, 3) + " %"], ["lost", st.episodes_lost],
     ["dead letters", Object.values(d.dlq).reduce((a, b) => a + b, 0)],
   ];
+  const planned = Object.values(st.eval_planned || {}).reduce((a, b) => a + b, 0);
+  if (planned) cards.unshift(["eval episodes done", `${st.episodes_finished} / ${planned}`]);
+  const tasks = Object.entries(st.tasks);
+  document.getElementById("table-tasks").replaceChildren(table(
+    ["task", "published", "finished", "success", "recent success", "mean reward"],
+    tasks.map(([t, x]) => [t, x.published, x.finished, fmt(x.success_rate), fmt(x.recent_success_rate), fmt(x.mean_reward)]),
+    { numeric: [1, 2, 3, 4, 5], class: "tasks", empty: "no episodes published yet" }));
   document.getElementById("cards").replaceChildren(...cards.map(([k, v]) =>
     h("div", { class: "card", "data-key": k }, h("div", { class: "v" }, v), h("div", { class: "k" }, k))));
 
