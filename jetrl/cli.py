@@ -329,6 +329,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     with urllib.request.urlopen(f"{url}/status", timeout=5) as resp:
         status = json.load(resp)
     print(json.dumps(status, indent=2))
+    print(f"dashboard: {url}/dashboard", file=sys.stderr)  # stderr: stdout stays one JSON document
     return 0
 
 
