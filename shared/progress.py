@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
 from collections.abc import Iterable, Iterator, Sized
+from contextlib import contextmanager
 from types import TracebackType
 from typing import TextIO, TypeVar
 
@@ -93,6 +95,8 @@ class Progress:
             tail = f"elapsed {format_duration(elapsed)} eta {format_duration(eta) if eta is not None else '?'}"
         else:
             head, tail = f"{self.label} {self.done} {self.unit}", f"elapsed {format_duration(elapsed)}"
+        if not self.unit:  # a timer only (``ticking``): nothing counted
+            return f"{self.label}  {tail}" + (f"  {note}" if note else "")
         rate_text = f"{rate:.2f} {self.unit}/s" if rate < 10 else f"{rate:.0f} {self.unit}/s"
         return f"{head}  {rate_text}  {tail}" + (f"  {note}" if note else "")
 
@@ -114,3 +118,24 @@ def track(items: Iterable[T], label: str, total: int | None = None, unit: str = 
         for item in items:
             yield item
             bar.update()
+
+
+@contextmanager
+def ticking(label: str, every_s: float | None = None, stream: TextIO | None = None) -> Iterator[Progress]:
+    """For a step with no count to report (a data build inside a library call): a line with the elapsed
+    time every ``every_s`` (on a terminal, a redrawn line each second) until the block ends."""
+    bar = Progress(label, total=None, unit="", stream=stream, every_s=every_s)
+    stop = threading.Event()
+
+    def tick() -> None:
+        while not stop.wait(1.0 if bar.tty else bar.every_s):
+            bar._draw("still working")
+
+    thread = threading.Thread(target=tick, name=f"progress-{label}", daemon=True)
+    thread.start()
+    try:
+        yield bar
+    finally:
+        stop.set()
+        thread.join()
+        bar.close("done")

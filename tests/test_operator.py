@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from shared.bus import heartbeat_loop
-from shared.progress import Progress, format_duration, track
+from shared.progress import Progress, format_duration, ticking, track
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -46,6 +46,17 @@ def test_track_wraps_an_iterable(capsys, monkeypatch) -> None:
     monkeypatch.setenv("JETRL_PROGRESS", "lines")
     assert list(track(iter([1, 2, 3]), "bench stages", total=3, unit="stages")) == [1, 2, 3]
     assert "bench stages [########################] 3/3 stages 100%" in capsys.readouterr().err
+
+
+def test_ticking_reports_elapsed_time_while_a_build_runs() -> None:
+    import time
+
+    log = io.StringIO()
+    with ticking("kg graph", every_s=0.4, stream=log):
+        time.sleep(1.0)
+    lines = log.getvalue().splitlines()
+    assert len(lines) >= 3 and all(x.startswith("kg graph  elapsed 0:0") for x in lines)
+    assert lines[0].endswith("still working") and lines[-1].endswith("done")
 
 
 def test_progress_bar_on_a_terminal_and_lines_in_a_log() -> None:
