@@ -251,10 +251,15 @@ def test_dashboard_in_a_real_browser_during_a_real_run(config: JetRLConfig, tmp_
             assert finished >= 4
             db_row = page.inner_text("table.tasks tbody tr").split()  # db, published, finished, ...
             assert db_row[0] == "db" and int(db_row[2]) >= 4
-            # replicas with a heartbeat age in seconds and the rollout's weight version
-            page.wait_for_selector("table.replicas tr[data-role='rollout']", timeout=20000)
-            row = page.inner_text("table.replicas tr[data-role='rollout']")
-            assert " s" in row and "engine" in row.lower() or "rollout" in row
+            # replicas with a heartbeat age in seconds; the rollout's weight version comes with its metrics
+            page.wait_for_function("""() => { const r = document.querySelector("table.replicas tr[data-role='rollout']");
+                                       return r && /^[1-9]\\d*$/.test(r.cells[4].innerText); }""", timeout=20000)
+            cells = page.eval_on_selector("table.replicas tr[data-role='rollout']",
+                                          "r => [...r.cells].map(c => c.innerText)")
+            role, replica, _, heartbeat_age, version, engine = cells
+            assert role == "rollout" and replica.startswith("rollout-") and replica in engine
+            assert heartbeat_age.endswith(" s") and 0 <= float(heartbeat_age[:-2]) < 10
+            assert int(version) >= 1  # its engine loaded a trained policy version
             roles = page.eval_on_selector_all("table.replicas tr[data-role]", "rs => rs.map(r => r.dataset.role)")
             assert {"controller", "trainer", "rollout", "env-db"} <= set(roles)
             page.wait_for_timeout(500)
