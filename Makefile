@@ -19,6 +19,18 @@ system-deps:
 		else echo "note: $(DEB_PACKAGES) not installed (need root + apt); their tests will skip"; fi; \
 	fi
 
+# Debian's chromium for the dashboard's browser test (tests/test_dashboard.py drives it headless through
+# PyPI playwright; playwright's own browser downloads are never used). Without it that test skips.
+system-deps: system-deps-browser
+.PHONY: system-deps-browser
+system-deps-browser:
+	@if ! command -v chromium >/dev/null; then \
+		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+			(apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium) >/dev/null \
+				|| echo "warning: could not install chromium; the browser test will skip"; \
+		else echo "note: chromium not installed (need root + apt); the browser test will skip"; fi; \
+	fi
+
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
 

@@ -25,6 +25,7 @@ from services.envs.alfworld_env import AlfworldEnv, gen
 from services.envs.alfworld_env.pool import EnginePool, EngineProc
 from services.envs.base import ToolCall
 from shared.config import AlfworldTaskConfig, EnvConfig
+from shared.progress import track
 
 
 def cpu_seconds() -> float:
@@ -234,7 +235,7 @@ def main() -> None:
     threading.Thread(target=sample_load, daemon=True).start()
     path = Path(a.out)
     path.parent.mkdir(parents=True, exist_ok=True)
-    for stage in a.stages.split(","):
+    for stage in track(a.stages.split(","), "alfworld bench stages", unit="stages"):
         t0 = time.perf_counter()
         out[stage] = globals()[f"stage_{stage}"](a)
         out[stage]["stage_wall_s"] = time.perf_counter() - t0

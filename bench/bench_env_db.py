@@ -30,6 +30,7 @@ from services.envs.db.env import DBEpisode  # noqa: E402
 from services.envs.db.grading import answers_from_rows  # noqa: E402
 from shared.config import DBTaskConfig, EnvConfig  # noqa: E402
 from shared.log import setup_logging  # noqa: E402
+from shared.progress import track  # noqa: E402
 
 AGENTBENCH = Path(__file__).resolve().parent.parent.parent / "shared" / "agentbench" / "dbbench" / "dev.jsonl"
 
@@ -85,7 +86,7 @@ def bench_backend(name: str, cfg: EnvConfig, n_tasks: int, threads: int) -> dict
     steps: list[float] = []
     oracle = {"train": [], "test": []}
     rand: list[float] = []
-    for split, tid in ids[:n_tasks]:
+    for split, tid in track(ids[:n_tasks], "db tasks (oracle + random)", unit="tasks"):
         for policy in ("oracle", "random"):
             t0 = time.perf_counter()
             ep = env.open(tid, split, 0)

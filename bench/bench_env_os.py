@@ -25,6 +25,7 @@ from services.envs.base import ToolCall  # noqa: E402
 from services.envs.os_task import OSEnv, OSEpisode  # noqa: E402
 from shared.config import EnvConfig, OSTaskConfig  # noqa: E402
 from shared.log import setup_logging  # noqa: E402
+from shared.progress import track  # noqa: E402
 
 AGENTBENCH = Path(__file__).resolve().parent.parent.parent / "shared" / "agentbench" / "os_interaction"
 RANDOM_SCRIPTS = ["ls", "pwd", "ls -la ~", "cat /etc/os-release", "find / -maxdepth 2 -type d | head", "whoami",
@@ -92,7 +93,7 @@ def bench_agentbench(args: argparse.Namespace) -> None:
         ids = env.task_ids(split)
         t0 = time.monotonic()
         with ThreadPoolExecutor(args.workers) as pool:
-            results = list(pool.map(run, [(t, split) for t in ids]))
+            results = list(track(pool.map(run, [(t, split) for t in ids]), f"os agentbench {split}", len(ids), "tasks"))
         wall = time.monotonic() - t0
         passed = sum(r[1] for r in results)
         wrong_passed = sum(r[2] for r in results)
@@ -126,7 +127,7 @@ def bench_generated(args: argparse.Namespace) -> None:
         return task_id, rewards[0], rewards[1]
 
     with ThreadPoolExecutor(args.workers) as pool:
-        results = list(pool.map(run, ids))
+        results = list(track(pool.map(run, ids), "os generated", len(ids), "tasks"))
     print(f"\n### Generated test split ({args.per_family} per family, levels 1-3)\n")
     print("| family | level | tasks | oracle success | random-policy success |")
     print("|---|---|---|---|---|")

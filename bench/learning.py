@@ -170,6 +170,8 @@ class Bench:
         return final if final.exists() else None
 
     def variants(self, warm: Path, tasks: list[str]) -> None:
+        from shared.progress import track
+
         cross = [f"--rollout.cross_policy_prob={self.args.cross_policy_prob}",
                  f"--rollout.stale_every={self.args.stale_every}"]
         plan: list[tuple[str, list[str], list[str], int]] = []
@@ -184,7 +186,7 @@ class Bench:
             elif v == "experts":
                 for t in tasks:
                     plan.append((f"expert-{t}", [t], ["--trainer.task_norm=scale", *cross], self.args.stale_engines))
-        for name, run_tasks, extra, stale in plan:
+        for name, run_tasks, extra, stale in track(plan, "learning benchmark variants", unit="variants"):
             final = self.rl(name, warm, run_tasks, extra, stale)
             if final is not None:
                 self.evaluate(name, final, run_tasks)

@@ -39,6 +39,7 @@ from shared.config import TASKS, JetRLConfig, describe, load_config, save_config
 from shared.log import setup_logging
 from shared.messages import ActionEvent, BadMessage, MetricsReport, ObservationEvent, Trajectory, decode
 from shared.natsd import EmbeddedNats
+from shared.progress import Progress, format_duration
 from shared.subjects import Subjects
 
 PR_SET_PDEATHSIG = 1
@@ -104,17 +105,27 @@ async def _follow_progress(cfg: JetRLConfig, url: str, sup: Supervisor, stop: as
 
     await nc.subscribe(subjects.metrics("trainer"), cb=on_metrics)
     started, rc = time.monotonic(), 0
+    evaluation = _EvalProgress(sup.run_dir) if main_role == "controller" else None
+    url_file, announced = sup.run_dir / "controller.url", False
     try:
         while not stop.is_set():
+            if not announced and url_file.is_file():
+                announced = True
+                print(f"dashboard: {url_file.read_text().strip()}/dashboard  (live charts, replicas, trajectories)",
+                      flush=True)
+            if evaluation is not None:
+                await evaluation.poll()
             try:
                 r = await asyncio.wait_for(reports.get(), timeout=1.0)
                 tasks = sorted({k.split("/")[1] for k in r.values if k.startswith("task/") and k.endswith("/success")})
                 per_task = "  ".join(f"{t}: success {r.values[f'task/{t}/success']:.2f} "
                                      f"reward {r.values[f'task/{t}/reward']:.2f}" for t in tasks)
+                elapsed = time.monotonic() - started
+                eta = elapsed / max(r.step, 1) * max(cfg.trainer.steps - r.step, 0)
                 print(f"{_bar(r.step, cfg.trainer.steps)}  step {r.step}  {per_task}  "
                       f"loss {r.values.get('train/loss', 0.0):+.4f}  "
                       f"episodes {int(r.values.get('train/trajectories', 0))}  "
-                      f"{time.monotonic() - started:.0f}s", flush=True)
+                      f"{elapsed:.0f}s  eta {format_duration(eta)}", flush=True)
             except TimeoutError:
                 pass
             main = sup.procs[main_role]
@@ -130,6 +141,8 @@ async def _follow_progress(cfg: JetRLConfig, url: str, sup: Supervisor, stop: as
                 rc = 1
                 break
     finally:
+        if evaluation is not None and evaluation.bar is not None:
+            evaluation.bar.close()
         await nc.close()
     if rc and sup.procs[main_role].poll() is not None and sup.procs[main_role].returncode:
         print(f"{main_role} exited with {rc}; see {sup.run_dir / 'logs' / (main_role + '.log')}", file=sys.stderr)
@@ -150,6 +163,38 @@ def _run_config(run_dir: str | None) -> JetRLConfig:
     none saved there) the defaults with the ``JETRL__`` environment applied."""
     path = Path(run_dir) / "config.toml" if run_dir else None
     return load_config(path if path is not None and path.is_file() else None)
+
+
+class _EvalProgress:
+    """`jetrl eval` / `probe`: finished episodes against the controller's plan, per task, with an ETA
+    (read from its /status every few seconds; a bar on a terminal, a line every 10 s otherwise)."""
+
+    def __init__(self, run_dir: Path, every_s: float = 2.0) -> None:
+        self.run_dir, self.every_s = run_dir, every_s
+        self.bar: Progress | None = None
+        self._last = 0.0
+
+    async def poll(self) -> None:
+        if time.monotonic() - self._last < self.every_s:
+            return
+        self._last = time.monotonic()
+        try:
+            url = (self.run_dir / "controller.url").read_text().strip()
+            status = await asyncio.to_thread(_get_json, f"{url}/status")
+        except (OSError, ValueError):
+            return  # the controller is not up yet
+        planned = status.get("eval_planned") or {}
+        if not planned:
+            return
+        if self.bar is None:
+            self.bar = Progress("jetrl eval", total=sum(planned.values()), unit="episodes")
+        done = {t: min(status["tasks"].get(t, {}).get("finished", 0), n) for t, n in planned.items()}
+        self.bar.set(sum(done.values()), "  ".join(f"{t} {done[t]}/{n}" for t, n in sorted(planned.items())))
+
+
+def _get_json(url: str) -> Any:
+    with urllib.request.urlopen(url, timeout=2) as resp:
+        return json.load(resp)
 
 
 MODE_DEFAULTS = {
@@ -190,6 +235,7 @@ def cmd_up(args: argparse.Namespace, overrides: list[str], mode: str = "up") -> 
     print(f"jetrl {mode}: run directory {run_dir}, NATS {cfg.nats.url} (prefix {cfg.nats.prefix})", flush=True)
     print(f"jetrl {mode}: watch live episodes with `jetrl watch --run-dir {run_dir} --events`", flush=True)
     sup = Supervisor(cfg, config_path, run_dir)
+    (run_dir / "controller.url").unlink(missing_ok=True)  # an earlier run's; the new controller writes its own
     stop = asyncio.Event()
     rc = 1
     try:
@@ -317,6 +363,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     with urllib.request.urlopen(urllib.request.Request(f"{url}/status", headers=headers), timeout=5) as resp:
         status = json.load(resp)
     print(json.dumps(status, indent=2))
+    print(f"dashboard: {url}/dashboard", file=sys.stderr)  # stderr: stdout stays one JSON document
     return 0
 
 

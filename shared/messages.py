@@ -180,6 +180,9 @@ class ActionEvent(Message, tag="action", kw_only=True):
     policy_version: int
     message: dict[str, Any]
     ts: float = msgspec.field(default_factory=now)
+    opening: list[dict[str, Any]] = msgspec.field(default_factory=list)
+    """Turn 0 only: the env's opening messages (system prompt and task, OpenAI format), so that a reader of
+    the EPISODES stream (the trajectory viewer) sees what the episode was about; empty on later turns."""
 
 
 class ObservationEvent(Message, tag="observation", kw_only=True):

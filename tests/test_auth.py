@@ -340,12 +340,12 @@ def test_status_api_binds_to_localhost_and_enforces_its_bearer_token(config: Jet
         url = (run_dir / "controller.url").read_text().strip()
         assert url.startswith("http://127.0.0.1:")
 
-        def get(headers: dict[str, str]) -> int:
+        def get(headers: dict[str, str], path: str = "/status") -> int:
             for _ in range(100):  # the server comes up just after the url is written
                 try:
-                    req = urllib.request.Request(f"{url}/status", headers=headers)
+                    req = urllib.request.Request(f"{url}{path}", headers=headers)
                     with urllib.request.urlopen(req, timeout=5) as resp:
-                        json.load(resp)
+                        resp.read()
                         return resp.status
                 except urllib.error.HTTPError as exc:
                     return exc.code
@@ -356,6 +356,11 @@ def test_status_api_binds_to_localhost_and_enforces_its_bearer_token(config: Jet
         assert get({}) == 401
         assert get({"Authorization": "Bearer wrong"}) == 401
         assert get({"Authorization": "Bearer s3cret-token"}) == 200
+        # the dashboard's page and script are public (no data); its data wants the token, which a browser
+        # passes as ?token= (EventSource cannot send headers)
+        assert get({}, "/dashboard") == 200 and get({}, "/static/dashboard.js") == 200
+        assert get({}, "/api/dashboard") == 401 and get({}, "/api/episodes?token=wrong") == 401
+        assert get({}, "/api/dashboard?token=s3cret-token") == 200
         cli = subprocess.run([sys.executable, "-m", "jetrl.cli", "status", "--run-dir", str(run_dir)], cwd=REPO,
                              capture_output=True, text=True, timeout=60,
                              env=dict(os.environ, JETRL__CONTROLLER__HTTP_TOKEN_FILE=str(token_file)))

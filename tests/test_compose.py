@@ -56,3 +56,28 @@ def test_dockerfile_copies_what_exists_and_runs_as_non_root() -> None:
     assert re.search(r"^USER\s+(?!root)\S+", text, flags=re.M)
     assert 'ENTRYPOINT ["python", "-m"]' in text
     assert "torch==" in text  # pinned before anything that depends on it
+
+
+def test_compose_healthchecks_dashboard_port_and_scalable_services() -> None:
+    """Every JetRL service has a healthcheck that runs a real module; the controller publishes the
+    dashboard's port and checks its HTTP API; rollout and env-* scale with --scale (no fixed host port,
+    no container_name), as README documents."""
+    spec = yaml.safe_load(COMPOSE.read_text())
+    services = spec["services"]
+    for name, svc in services.items():
+        check = svc.get("healthcheck")
+        assert check and check.get("test"), f"{name}: no healthcheck"
+        if name == "nats":
+            continue
+        test = check["test"]
+        assert test[:3] == ["CMD", "python", "-m"] and importlib.util.find_spec(test[3]) is not None, f"{name}: {test}"
+    controller = services["controller"]
+    port = str(controller["environment"]["JETRL__CONTROLLER__HTTP_PORT"])
+    assert any(str(p).split(":")[-1] == port for p in controller["ports"])
+    assert f"http://localhost:{port}/status" in controller["healthcheck"]["test"]
+    scalable = ["rollout"] + [n for n in services if n.startswith("env-")]
+    assert "env-db" in scalable
+    for name in scalable:
+        assert "ports" not in services[name] and "container_name" not in services[name], name
+    readme = (REPO / "README.md").read_text()
+    assert "--scale rollout=" in readme and "--scale env-db=" in readme

@@ -46,6 +46,7 @@ async def main(argv: list[str]) -> None:
         await controller.follow_metrics_and_weights()
         server = uvicorn.Server(uvicorn.Config(create_app(controller, controller_token(cfg.controller)), log_level="warning", lifespan="off"))
         for job in (server.serve(sockets=[sock]), controller.track_trajectories(), controller.watch_replicas(),
+                    controller.board.follow(nc, js, lambda: len(controller.finished)),
                     heartbeat_loop(js, subjects, "controller", replica_id, {"url": url})):
             bg = asyncio.create_task(job)
             stack.callback(bg.cancel)

@@ -1,4 +1,5 @@
-"""Status API: ``GET /status`` (JSON) and ``GET /metrics`` (Prometheus text), served by litestar."""
+"""Status API: ``GET /status`` (JSON) and ``GET /metrics`` (Prometheus text), served by litestar; the
+dashboard and trajectory viewer (``services/controller/dashboard.py``) on the same server."""
 
 from __future__ import annotations
 
@@ -11,15 +12,25 @@ from prometheus_client import CollectorRegistry, Gauge, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from services.controller.controller import Controller
+from services.controller.dashboard import dashboard_routes
+
+PUBLIC_PATHS = ("/", "/dashboard")
 
 
 def bearer_guard(token: str) -> Callable[[Request[Any, Any, Any]], Awaitable[Response[Any] | None]]:
-    """Refuse (401) a request without ``Authorization: Bearer <token>``; compared in constant time."""
+    """Refuse (401) a request without ``Authorization: Bearer <token>`` (or ``?token=<token>``, for the
+    dashboard in a browser); compared in constant time."""
     expected = f"Bearer {token}".encode()
 
     async def check(request: Request[Any, Any, Any]) -> Response[Any] | None:
+        if request.url.path in PUBLIC_PATHS or request.url.path.startswith("/static/"):
+            return None  # the page and its script hold no data; every figure comes from a guarded /api call
         given = request.headers.get("authorization", "").encode("utf-8", "replace")
         if hmac.compare_digest(given, expected):
+            return None
+        # a browser opening /dashboard?token=... (EventSource cannot send headers); the page passes it on
+        query = f"Bearer {request.query_params.get('token', '')}".encode("utf-8", "replace")
+        if hmac.compare_digest(query, expected):
             return None
         return Response({"error": "missing or wrong bearer token"}, status_code=401,
                         headers={"WWW-Authenticate": "Bearer"})
@@ -57,4 +68,5 @@ def create_app(controller: Controller, token: str = "") -> Litestar:
             trainer.labels(name).set(value)
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
-    return Litestar([status, metrics], before_request=bearer_guard(token) if token else None)
+    return Litestar([status, metrics, *dashboard_routes(controller)],
+                    before_request=bearer_guard(token) if token else None)

@@ -29,6 +29,7 @@ from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
 
+from services.controller.board import RunBoard
 from services.controller.report import eval_report
 from shared.bus import decode_or_dead_letter
 from shared.config import JetRLConfig
@@ -98,6 +99,8 @@ class Controller:
         self._backlog = 0  # the last reading of the trainer's backlog (see backlog_full)
         self._backlog_read_at = -1.0
         self._finished_at_read = 0
+        self.eval_planned: dict[str, int] = {}  # eval mode: episodes per task the run will publish
+        self.board = RunBoard(subjects)  # what the dashboard and the trajectory viewer show
 
     # ------------------------------------------------------------------ plan and publish
     async def fetch_task_ids(self, timeout_s: float = 120.0) -> dict[str, list[str]]:
@@ -165,6 +168,9 @@ class Controller:
             if share > 0:
                 all_ids = await EnvClient(self.nc, self.subjects, task, timeout_s=10.0).task_ids(c.eval_split)
                 ids[task] = all_ids[: c.eval_limit or None]
+        # what the run will publish, per task: `jetrl eval` shows progress and an ETA against it
+        self.eval_planned = {task: len(task_ids) * sum(samples[name] for name in c.eval_passes)
+                             for task, task_ids in ids.items()}
         for name in c.eval_passes:
             for task, task_ids in ids.items():
                 for task_id in task_ids:
@@ -265,6 +271,7 @@ class Controller:
             return
         self.finished.add(traj.episode_id)
         self.inflight.pop(traj.episode_id, None)
+        self.board.on_trajectory(traj, self.policy_version)
         book = self.books[traj.task]
         book.finished += 1
         book.successes += int(traj.success)
@@ -284,6 +291,7 @@ class Controller:
                 log.warning("bad_metrics", reason=exc.reason)
                 return
             self.latest_metrics[f"{report.role}/{report.replica_id}"] = report
+            self.board.on_metrics(report)
             if report.role == "trainer":  # an SFT trainer publishes no weights; its steps still count
                 self.trainer_step = max(self.trainer_step, report.step)
                 self._capacity.set()
@@ -352,4 +360,5 @@ class Controller:
             "duplicate_trajectories": self.duplicates, "episodes_lost": self.lost, "groups_published": self.groups_published,
             "uptime_s": round(time.time() - self.started_at, 1), "tasks": tasks,
             "trainer": next(iter(trainer.values()), {}), "replicas": self.replicas,
+            "eval_planned": self.eval_planned,
         }

@@ -194,7 +194,8 @@ class RolloutWorker:
                 action = parse_assistant(text, turn)
                 await self.js.publish(self.subjects.action(job.task, job.episode_id), encode(ActionEvent(
                     episode_id=job.episode_id, task=job.task, turn=turn, replica_id=self.replica_id,
-                    engine_id=gen.engine_id, policy_version=gen.policy_version, message=action)))
+                    engine_id=gen.engine_id, policy_version=gen.policy_version, message=action,
+                    opening=opening.messages if turn == 0 else [])))
                 step = await env.interact(opening.replica_id, session_id, action)
                 await self.js.publish(self.subjects.observation(job.task, job.episode_id), encode(ObservationEvent(
                     episode_id=job.episode_id, task=job.task, turn=turn, messages=step.messages, reward=step.reward,

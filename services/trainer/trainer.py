@@ -87,6 +87,7 @@ class Trainer:
         self.groups: dict[str, Group] = {}
         self.seen_episodes: set[str] = set()
         self.metrics_file = run_dir / "metrics.jsonl"
+        self.tensorboard = _tensorboard_writer(run_dir)  # the same rows as TensorBoard events, beside it
         # KL needs the policy we started from, frozen: with LoRA that is the model with its adapter off.
         self.ref_model = copy.deepcopy(model).eval().requires_grad_(False) if cfg.kl_coef > 0 and not self.lora \
             else None
@@ -410,12 +411,17 @@ class Trainer:
         row = {"step": self.step, "policy_version": self.policy_version, "ts": time.time(), **stats}
         with open(self.metrics_file, "a") as fh:
             fh.write(json.dumps(row) + "\n")
+        if self.tensorboard is not None:
+            _write_tensorboard(self.tensorboard, self.step, row["ts"], stats)
         tasks = sorted({k.split("/")[1] for k in stats if k.startswith("task/") and k.endswith("/success")})
         per_task = " ".join(f"{t}={stats[f'task/{t}/success']:.2f}" for t in tasks)
         log.info("train_step", step=self.step, of=self.cfg.steps, trajectories=int(stats["train/trajectories"]),
                  success=per_task, loss=round(stats.get("train/loss", 0.0), 5),
                  seconds=round(stats["train/step_s"], 2))
         scalars = {k: float(v) for k, v in stats.items() if isinstance(v, (int, float))}
+        for key, values in stats.items():  # histograms (task/<t>/adv_hist) travel as one scalar per bin
+            if isinstance(values, list):
+                scalars.update({f"{key}/{i}": float(x) for i, x in enumerate(values)})
         asyncio.get_running_loop().create_task(
             publish_metrics(self.nc, self.subjects, "trainer", self.replica_id, self.step, scalars))
 
@@ -451,3 +457,39 @@ def _context_mask(traj: Trajectory) -> list[int]:
     for i in range(start, len(traj.tokens)):
         out[i] = int(traj.loss_mask[i] == 0)
     return out
+
+
+ADV_HIST_RANGE = (-3.0, 3.0)
+"""The range ``task/<t>/adv_hist`` bins (``torch.histc`` in ``_rl_batch``), for TensorBoard's histograms."""
+
+
+def _tensorboard_writer(run_dir: Path) -> Any:
+    """A TensorBoard event writer in the run directory (``tensorboard --logdir runs`` shows every run),
+    or None where the ``tensorboard`` package is missing (metrics.jsonl is the record either way)."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as exc:
+        log.warning("tensorboard_unavailable", error=str(exc))
+        return None
+    return SummaryWriter(log_dir=str(run_dir), flush_secs=30)
+
+
+def _write_tensorboard(writer: Any, step: int, ts: float, stats: dict[str, Any]) -> None:
+    """Every scalar of a metrics.jsonl row under its own key; histograms (lists of bin counts) as
+    TensorBoard histograms. Flushed each step: a step is seconds to minutes, so this costs nothing."""
+    for key, value in stats.items():
+        if isinstance(value, bool | int | float):
+            writer.add_scalar(key, float(value), step, walltime=ts)
+        elif isinstance(value, list) and value and key.endswith("_hist"):
+            lo, hi = ADV_HIST_RANGE
+            width = (hi - lo) / len(value)
+            limits = [lo + width * (i + 1) for i in range(len(value))]
+            centres = [lo + width * (i + 0.5) for i in range(len(value))]
+            count = float(sum(value))
+            if count > 0:
+                writer.add_histogram_raw(key, min=lo, max=hi, num=count,
+                                         sum=sum(c * n for c, n in zip(centres, value, strict=True)),
+                                         sum_squares=sum(c * c * n for c, n in zip(centres, value, strict=True)),
+                                         bucket_limits=limits, bucket_counts=[float(n) for n in value],
+                                         global_step=step, walltime=ts)
+    writer.flush()

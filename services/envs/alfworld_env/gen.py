@@ -355,8 +355,10 @@ def verify(args: tuple[str, str, int]) -> dict[str, Any]:
 
 
 def build_catalogue(split: str, per_type: int, data_dir: str = "", max_steps: int = 20, workers: int = 0,
-                    log: Any = None) -> dict[str, Any]:
-    """The first ``per_type`` expert-solved games of each task type (cached as a manifest)."""
+                    log: Any = None, progress: Any = None) -> dict[str, Any]:
+    """The first ``per_type`` expert-solved games of each task type (cached as a manifest);
+    ``progress`` (a ``shared.progress.Progress`` over ``per_type * len(TASK_TYPES)`` games) is told each
+    accepted game."""
     root = data_root(data_dir)
     manifest = root / f"catalogue-{split}-{per_type}-{max_steps}.json"
     if manifest.exists():
@@ -379,6 +381,8 @@ def build_catalogue(split: str, per_type: int, data_dir: str = "", max_steps: in
                     tried += 1
                     if res["won"] and len(accepted) < per_type:
                         accepted.append(res)
+                        if progress is not None:
+                            progress.update(note=f"{task_type} (tried {tried})")
                 if j > 50 * per_type + 100:
                     raise RuntimeError(f"alfworld: the expert solves too few {task_type} games in {split}")
             out["tasks"][task_type] = [r["task_id"] for r in accepted]
@@ -405,7 +409,10 @@ if __name__ == "__main__":
     ap.add_argument("--max-steps", type=int, default=20, help="keep games the expert wins within this many rounds")
     ap.add_argument("--workers", type=int, default=0, help="processes; 0 = min(8, cores)")
     a = ap.parse_args()
+    from shared.progress import Progress
+
     for split, n in (("train", a.train), ("test", a.test)):
-        cat = build_catalogue(split, n, a.data_dir, a.max_steps, a.workers,
-                              log=lambda **kv: print(" ".join(f"{k}={v}" for k, v in kv.items()), flush=True))
+        with Progress(f"alfworld {split} catalogue", total=n * len(TASK_TYPES), unit="games") as bar:
+            cat = build_catalogue(split, n, a.data_dir, a.max_steps, a.workers, progress=bar,
+                                  log=lambda **kv: print(" ".join(f"{k}={v}" for k, v in kv.items()), flush=True))
         print(f"split={split} per_type={n} build_s={cat['stats']['build_s']:.1f}", flush=True)

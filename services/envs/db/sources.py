@@ -317,7 +317,10 @@ def load_sources(data_dir: str = "") -> dict[str, Any]:
 if __name__ == "__main__":  # make setup-db: build the catalogues once
     import sys
 
-    src = load_sources(sys.argv[1] if len(sys.argv) > 1 else "")
+    from shared.progress import ticking
+
+    with ticking("db sources"):
+        src = load_sources(sys.argv[1] if len(sys.argv) > 1 else "")
     print(f"db sources in {cache_dir(sys.argv[1] if len(sys.argv) > 1 else '')}: pydataset train="
           f"{len(src['pydataset_tables']['train'])} test={len(src['pydataset_tables']['test'])}, chinook artists "
           f"train={len(src['multi'].artists['train'])} test={len(src['multi'].artists['test'])}")

@@ -10,9 +10,11 @@ import sys
 
 from services.envs.kg import make_env
 from shared.config import from_argv
+from shared.progress import ticking
 
 if __name__ == "__main__":
     cfg, _ = from_argv(sys.argv[1:])
-    env = make_env(cfg.env)
+    with ticking("kg graph and task sets"):
+        env = make_env(cfg.env)
     print(json.dumps({"graph": str(env.graph.path), **env.graph.meta, "train": len(env.task_ids("train")),
                       "test": len(env.task_ids("test"))}))

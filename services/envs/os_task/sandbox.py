@@ -114,6 +114,34 @@ def rootfs_path(cache_dir: Path, variant: str, suite: str, mirror: str) -> Path:
     return cache_dir / f"rootfs-{variant}-{suite}-{key}"
 
 
+def _run_with_progress(cmd: list[str], target: Path, label: str, env: dict[str, str]) -> tuple[int, str]:
+    """Run a build that fills ``target`` (minutes: mmdebstrap), showing the megabytes written so far
+    (``shared.progress``: a bar on a terminal, a line every 10 s in a log). Returns (exit status, stderr)."""
+    from shared.progress import Progress
+
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    with Progress(label, total=None, unit="MB") as bar:
+        while True:
+            try:
+                _, stderr = proc.communicate(timeout=2.0)
+                break
+            except subprocess.TimeoutExpired:
+                bar.set(_tree_mb(target))
+        bar.set(_tree_mb(target))
+    return proc.returncode, stderr
+
+
+def _tree_mb(path: Path) -> int:
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(root, name)).st_size
+            except OSError:
+                pass  # files come and go while the build runs
+    return total // 1_000_000
+
+
 def ensure_rootfs(cache_dir: Path, variant: str = "default", suite: str = "bookworm",
                   mirror: str = "http://deb.debian.org/debian") -> Path:
     """The cached rootfs for ``variant``, built by mmdebstrap on first use (idempotent, locked)."""
@@ -138,11 +166,11 @@ def ensure_rootfs(cache_dir: Path, variant: str = "default", suite: str = "bookw
                # keep dpkg/apt logs: an image that ran apt-get has them, and tasks ask about /var/log/*.log
                "--skip=cleanup/reproducible",
                suite, str(tmp), mirror]
-        proc = subprocess.run(cmd, capture_output=True, text=True,
-                              env={**os.environ, "SOURCE_DATE_EPOCH": "1700000000"})
-        if proc.returncode != 0:
+        returncode, stderr = _run_with_progress(cmd, tmp, f"os rootfs {variant}",
+                                                env={**os.environ, "SOURCE_DATE_EPOCH": "1700000000"})
+        if returncode != 0:
             shutil.rmtree(tmp, ignore_errors=True)
-            raise SandboxError(f"mmdebstrap failed ({proc.returncode}): {proc.stderr[-2000:]}")
+            raise SandboxError(f"mmdebstrap failed ({returncode}): {stderr[-2000:]}")
         (tmp / "run" / "jetrl").mkdir(parents=True, exist_ok=True)  # sandboxd's bind target
         (tmp / ".jetrl-ready").write_text(json.dumps({"variant": variant, "suite": suite, "mirror": mirror,
                                                        "packages": VARIANT_PACKAGES[variant]}))

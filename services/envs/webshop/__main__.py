@@ -5,6 +5,9 @@ import sys
 
 from services.envs.webshop.catalog import build, catalog_path
 from shared.config import from_argv
+from shared.progress import ticking
 
 cfg, _ = from_argv(sys.argv[1:])
-print(json.dumps(build(catalog_path(cfg.env.data_dir, cfg.env.webshop.num_products), cfg.env.webshop.num_products)))
+with ticking("webshop catalogue"):
+    built = build(catalog_path(cfg.env.data_dir, cfg.env.webshop.num_products), cfg.env.webshop.num_products)
+print(json.dumps(built))
