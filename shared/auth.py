@@ -129,7 +129,10 @@ def role_permissions(subjects: Subjects, role: str) -> Permissions:
         pub += [s.jobs(">"), s.run_control, s.metrics("controller"), s.env_tasks("*"), s.env_health("*"),
                 *_durable(s.traj_stream, s.controller_consumer), f"{API}.CONSUMER.INFO.{s.traj_stream}.*",
                 *_stream_read(kv_registry), *_ephemeral_consumers(kv_registry),  # registry keys: a KV watch
-                *_stream_read(kv_policy), *_ephemeral_consumers(kv_policy)]
+                *_stream_read(kv_policy), *_ephemeral_consumers(kv_policy),
+                # the dashboard's trajectory viewer reads stored episodes (services/controller/board.py)
+                *_stream_read(s.episodes_stream), *_ephemeral_consumers(s.episodes_stream)]
+        sub += [s.action("*", "*")]  # the dashboard counts live turns and follows live episodes
         # JetStream advisories (a job out of deliveries, ...) are the server's word on our streams: read-only
         sub += [s.metrics(">"), s.weights_published, s.training_finished, s.run_control, "$JS.EVENT.ADVISORY.>"]
     elif role == "rollout":
