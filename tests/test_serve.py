@@ -1,0 +1,136 @@
+"""`jetrl serve`: the policy over the OpenAI chat-completions API, called with the official `openai` client
+as a user calls it, following a weight broadcast on a real nats-server; and the prompt it renders."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from services.rollout.chat import parse_assistant, render_chat, render_observation, render_opening, render_tool_call
+from services.rollout.openai_api import choice_message
+from shared.messages import WeightsAnnouncement, encode
+from shared.model import digest, load_model, load_tokenizer, resolve_model, weights_to_bytes
+
+openai = pytest.importorskip("openai", reason="the openai client is in the test extra (pip install openai)")
+
+REPO = Path(__file__).resolve().parent.parent
+TOOLS = [{"type": "function", "function": {"name": "execute_sql", "description": "run SQL",
+                                            "parameters": {"type": "object", "properties": {"sql": {"type": "string"}},
+                                                           "required": ["sql"]}}}]
+
+
+def test_a_conversation_renders_as_the_rollout_builds_it_turn_by_turn() -> None:
+    opening = [{"role": "system", "content": "You are a DB agent."}, {"role": "user", "content": "How many rows?"}]
+    call = {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call_x", "type": "function", "function": {"name": "execute_sql", "arguments": '{"sql": "SELECT 1"}'}}]}
+    result = [{"role": "tool", "tool_call_id": "call_x", "content": "[(1,)]"}]
+    rollout = render_opening(opening, TOOLS) + render_tool_call(call) + "<|im_end|>" + render_observation(result)
+    assert render_chat([*opening, call, *result], TOOLS) == rollout
+    assert render_chat(opening, TOOLS) == render_opening(opening, TOOLS)
+    # no tools: no tools preamble; content given as parts counts its text parts
+    plain = render_chat([{"role": "user", "content": [{"type": "text", "text": "hi"}]}], [])
+    assert plain == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_generated_tool_calls_come_back_in_the_api_format() -> None:
+    text = ('Two queries.\n<tool_call>\n{"name": "execute_sql", "arguments": {"sql": "SELECT 1"}}\n</tool_call>\n'
+            '<tool_call>\n{"name": "execute_sql", "arguments": {"sql": "SELECT 2"}}\n</tool_call>')
+    message, finish = choice_message(text, "stop", parse_tools=True)
+    assert finish == "tool_calls" and message["content"] == "Two queries."
+    assert [json.loads(c["function"]["arguments"])["sql"] for c in message["tool_calls"]] == ["SELECT 1", "SELECT 2"]
+    assert len({c["id"] for c in message["tool_calls"]}) == 2 and all(c["type"] == "function"
+                                                                     for c in message["tool_calls"])
+    broken = '<tool_call>{"name": "execute_sql", "arguments": {"sql": </tool_call>'
+    assert choice_message(broken, "stop", parse_tools=True) == ({"role": "assistant", "content": broken}, "stop")
+    assert choice_message(text, "length", parse_tools=False) == ({"role": "assistant", "content": text}, "length")
+    # the rollout's parser keeps the first call's id as before and numbers the others
+    ids = [c["id"] for c in parse_assistant(text, 3)["tool_calls"]]
+    assert ids == ["call_3", "call_3_1"]
+
+
+@pytest.fixture
+def served(config, prefix, nats_url, tmp_path):
+    """`jetrl serve` on a free port with the tiny model, on the test's nats-server and prefix."""
+    run_dir = tmp_path / "serve"
+    log = open(tmp_path / "serve.out", "wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jetrl.cli", "serve", f"--nats.url={nats_url}", f"--nats.prefix={prefix}",
+         f"--run.dir={run_dir}", "--serve.port=0", "--serve.model_name=tiny-policy", "--rollout.max_context_tokens=2048"],
+        cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    url_file = run_dir / "serve.url"
+    deadline = time.monotonic() + 120
+    while not url_file.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail("jetrl serve did not come up:\n" + (tmp_path / "serve.out").read_text()[-3000:])
+        time.sleep(0.2)
+    yield url_file.read_text().strip()
+    proc.terminate()
+    proc.wait(timeout=30)
+    log.close()
+
+
+async def test_openai_client_talks_to_jetrl_serve_which_follows_weight_broadcasts(served, nc, subjects,
+                                                                                  config) -> None:
+    client = openai.AsyncOpenAI(base_url=served, api_key="unused", max_retries=0)
+    assert [m.id for m in (await client.models.list()).data] == ["tiny-policy"]
+    conversation = [{"role": "system", "content": "You are a DB agent."},
+                    {"role": "user", "content": "How many rows are in table t?"},
+                    {"role": "assistant", "content": None, "tool_calls": [
+                        {"id": "call_a", "type": "function",
+                         "function": {"name": "execute_sql", "arguments": '{"sql": "SELECT COUNT(*) FROM t"}'}}]},
+                    {"role": "tool", "tool_call_id": "call_a", "content": "[(3,)]"}]
+    first = await client.chat.completions.create(model="tiny-policy", messages=conversation, tools=TOOLS,
+                                                 temperature=0, max_tokens=12)
+    choice = first.choices[0]
+    assert choice.message.role == "assistant" and choice.finish_reason in ("stop", "length", "tool_calls")
+    assert first.system_fingerprint == "jetrl-policy-v0" and first.model == "tiny-policy"
+    tok = load_tokenizer(resolve_model(config.model))
+    assert first.usage.prompt_tokens == len(tok.encode(render_chat(conversation, TOOLS), add_special_tokens=False))
+    assert 1 <= first.usage.completion_tokens <= 12
+    again = await client.chat.completions.create(model="tiny-policy", messages=conversation, tools=TOOLS,
+                                                 temperature=0, max_tokens=12)
+    assert again.choices[0].message.content == choice.message.content  # greedy: the same answer
+    chunks = [c async for c in await client.chat.completions.create(
+        model="tiny-policy", messages=conversation, tools=TOOLS, temperature=0, max_tokens=12, stream=True)]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == (choice.message.content or "")
+    assert chunks[-1].choices[0].finish_reason == choice.finish_reason
+    sampled = await client.chat.completions.create(model="tiny-policy", messages=conversation[:2], n=3,
+                                                   temperature=1.0, max_tokens=6)
+    assert [c.index for c in sampled.choices] == [0, 1, 2]
+
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        await client.chat.completions.create(model="gpt-4o", messages=conversation)
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        await client.chat.completions.create(model="tiny-policy", messages=conversation, temperature=7)
+    with pytest.raises(openai.BadRequestError, match="maximum context length"):
+        await client.chat.completions.create(model="tiny-policy", messages=conversation, max_tokens=2040)
+
+    # The trainer's broadcast, as the trainer writes it: object store, policy KV, announcement.
+    model = load_model(resolve_model(config.model))
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.5 * torch.randn(p.shape, generator=gen))
+    data = weights_to_bytes(model)
+    js = nc.jetstream()
+    name = subjects.weights_object(1)
+    await (await js.object_store(subjects.weights_bucket)).put(name, data)
+    note = WeightsAnnouncement(version=1, object_name=name, digest=digest(data), size=len(data), dtype="float32")
+    await (await js.key_value(subjects.policy_kv)).put(subjects.policy_version_key, encode(note))
+    await nc.publish(subjects.weights_published, encode(note))
+    deadline = time.monotonic() + 60
+    while (await client.models.list()).data[0].model_extra["policy_version"] != 1:
+        assert time.monotonic() < deadline, "the server never loaded the broadcast weights"
+        await __import__("asyncio").sleep(0.2)
+    after = await client.chat.completions.create(model="tiny-policy", messages=conversation, tools=TOOLS,
+                                                 temperature=0, max_tokens=12)
+    assert after.system_fingerprint == "jetrl-policy-v1"
+    assert after.choices[0].message.content != choice.message.content  # other weights, another answer
