@@ -3,11 +3,15 @@ as a user calls it, following a weight broadcast on a real nats-server; and the 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
 import sys
 import time
+import urllib.request
+import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -15,8 +19,11 @@ import torch
 
 from services.rollout.chat import parse_assistant, render_chat, render_observation, render_opening, render_tool_call
 from services.rollout.openai_api import choice_message
+from services.rollout.openai_client import history_after_turn
+from shared.bus import connect
 from shared.messages import WeightsAnnouncement, encode
 from shared.model import digest, load_model, load_tokenizer, resolve_model, weights_to_bytes
+from shared.subjects import Subjects
 
 openai = pytest.importorskip("openai", reason="the openai client is in the test extra (pip install openai)")
 
@@ -55,10 +62,13 @@ def test_generated_tool_calls_come_back_in_the_api_format() -> None:
     assert ids == ["call_3", "call_3_1"]
 
 
-@pytest.fixture
-def served(config, prefix, nats_url, tmp_path):
-    """`jetrl serve` on a free port with the tiny model, on the test's nats-server and prefix."""
-    run_dir = tmp_path / "serve"
+@pytest.fixture(scope="module")
+def served(nats_url, tmp_path_factory):
+    """`jetrl serve` on a free port with the tiny model, on the test nats-server under its own prefix
+    (one server for the module: it takes ~20 s to start on 2 busy cores)."""
+    tmp_path = tmp_path_factory.mktemp("serve")
+    prefix = "t" + uuid.uuid4().hex[:10]
+    run_dir = tmp_path / "run"
     log = open(tmp_path / "serve.out", "wb")
     proc = subprocess.Popen(
         [sys.executable, "-m", "jetrl.cli", "serve", f"--nats.url={nats_url}", f"--nats.prefix={prefix}",
@@ -71,15 +81,20 @@ def served(config, prefix, nats_url, tmp_path):
             proc.kill()
             pytest.fail("jetrl serve did not come up:\n" + (tmp_path / "serve.out").read_text()[-3000:])
         time.sleep(0.2)
-    yield url_file.read_text().strip()
+    yield Served(url=url_file.read_text().strip(), prefix=prefix)
     proc.terminate()
     proc.wait(timeout=30)
     log.close()
 
 
-async def test_openai_client_talks_to_jetrl_serve_which_follows_weight_broadcasts(served, nc, subjects,
-                                                                                  config) -> None:
-    client = openai.AsyncOpenAI(base_url=served, api_key="unused", max_retries=0)
+@dataclass
+class Served:
+    url: str
+    prefix: str
+
+
+async def test_openai_client_talks_to_jetrl_serve_which_follows_weight_broadcasts(served, config) -> None:
+    client = openai.AsyncOpenAI(base_url=served.url, api_key="unused", max_retries=0)
     assert [m.id for m in (await client.models.list()).data] == ["tiny-policy"]
     conversation = [{"role": "system", "content": "You are a DB agent."},
                     {"role": "user", "content": "How many rows are in table t?"},
@@ -114,6 +129,9 @@ async def test_openai_client_talks_to_jetrl_serve_which_follows_weight_broadcast
         await client.chat.completions.create(model="tiny-policy", messages=conversation, max_tokens=2040)
 
     # The trainer's broadcast, as the trainer writes it: object store, policy KV, announcement.
+    config.nats.prefix = served.prefix
+    subjects = Subjects(served.prefix)
+    nc = await connect(config.nats, "pytest-serve")
     model = load_model(resolve_model(config.model))
     gen = torch.Generator().manual_seed(5)
     with torch.no_grad():
@@ -126,11 +144,44 @@ async def test_openai_client_talks_to_jetrl_serve_which_follows_weight_broadcast
     note = WeightsAnnouncement(version=1, object_name=name, digest=digest(data), size=len(data), dtype="float32")
     await (await js.key_value(subjects.policy_kv)).put(subjects.policy_version_key, encode(note))
     await nc.publish(subjects.weights_published, encode(note))
+    await nc.close()
     deadline = time.monotonic() + 60
     while (await client.models.list()).data[0].model_extra["policy_version"] != 1:
         assert time.monotonic() < deadline, "the server never loaded the broadcast weights"
-        await __import__("asyncio").sleep(0.2)
+        await asyncio.sleep(0.2)
     after = await client.chat.completions.create(model="tiny-policy", messages=conversation, tools=TOOLS,
                                                  temperature=0, max_tokens=12)
     assert after.system_fingerprint == "jetrl-policy-v1"
     assert after.choices[0].message.content != choice.message.content  # other weights, another answer
+
+
+def test_the_api_conversation_answers_every_call_it_keeps() -> None:
+    two = {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "a", "type": "function", "function": {"name": "f", "arguments": "{}"}},
+        {"id": "b", "type": "function", "function": {"name": "g", "arguments": "{}"}}]}
+    env_answer = [{"role": "tool", "tool_call_id": "call_0", "content": "ok"}]
+    added = history_after_turn(two, env_answer)
+    assert [c["id"] for c in added[0]["tool_calls"]] == ["a"]  # the env ran the first call only
+    assert added[1] == {"role": "tool", "tool_call_id": "a", "content": "ok"}
+    # no call to answer: the env's reply comes back as a user message
+    assert history_after_turn({"role": "assistant", "content": "hm"}, env_answer)[1] == {"role": "user", "content": "ok"}
+
+
+def test_jetrl_eval_drives_an_openai_compatible_server(served, tmp_path) -> None:
+    """`jetrl eval --engine openai` against a real server (our own `jetrl serve`): the db test split through the
+    same env service, grading and report; every turn is one request the server answered."""
+    health = f"{served.url.removesuffix('/v1')}/health"
+    before = json.load(urllib.request.urlopen(health, timeout=10))["requests"]
+    run_dir = tmp_path / "eval"
+    proc = subprocess.run(
+        [sys.executable, "-m", "jetrl.cli", "eval", "--engine", "openai", "--base-url", served.url,
+         "--model", "tiny-policy", "--rollouts", "1", f"--run.dir={run_dir}", '--controller.tasks={"db": 1}',
+         "--controller.eval_limit=3", "--rollout.max_new_tokens=24", "--env.invalid_action_ends_episode=true"],
+        cwd=REPO, capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    report = json.loads((run_dir / "eval.json").read_text())["greedy"]["db"]
+    assert report["episodes"] == 3 and report["tasks"] == 3 and len(report["success_ci95"]) == 2
+    assert report["statuses"].get("env_error", 0) == 0, report["statuses"]
+    served_requests = json.load(urllib.request.urlopen(health, timeout=10))["requests"] - before
+    assert served_requests == round(report["mean_turns"] * report["episodes"]) >= 3
+    assert "greedy: " in proc.stdout and "db" in proc.stdout  # the printed table
