@@ -135,6 +135,18 @@ class WebShopTaskConfig:
 
 
 @dataclass
+class BFCLTaskConfig:
+    """[env.bfcl]: the Berkeley Function Calling Leaderboard's offline categories (PyPI bfcl-eval), eval only."""
+
+    categories: list[str] = opt(["simple_python", "multiple", "parallel", "irrelevance", "multi_turn_base"],
+                                "BFCL categories to run: simple_python, multiple, parallel, parallel_multiple, "
+                                "irrelevance, multi_turn_base")
+    per_category: int = opt(0, "first entries of each category to keep (0 = all)")
+    max_observation_chars: int = opt(4000, "overrides env.max_observation_chars: a multi-turn tool result "
+                                           "(a file listing, a ticket) is kept whole")
+
+
+@dataclass
 class EnvConfig:
     """[env]: what every task's env service reads; [env.<task>] sections hold each task's own keys."""
 
@@ -159,6 +171,7 @@ class EnvConfig:
     kg: KGTaskConfig = field(default_factory=KGTaskConfig)
     alfworld: AlfworldTaskConfig = field(default_factory=AlfworldTaskConfig)
     webshop: WebShopTaskConfig = field(default_factory=WebShopTaskConfig)
+    bfcl: BFCLTaskConfig = field(default_factory=BFCLTaskConfig)
 
     def task_value(self, task: str, key: str) -> Any:
         """A generic key as one task sees it: the task section's value where it overrides the key

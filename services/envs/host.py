@@ -198,7 +198,9 @@ class EnvHost:
             if result.finish:
                 await self._close(session, result.status)
             session.last_active = time.monotonic()
-        tool_message = {"role": "tool", "tool_call_id": call_id, "content": result.content}
+        tool_message = {"role": result.role, "content": result.content}
+        if result.role == "tool":
+            tool_message = {"role": "tool", "tool_call_id": call_id, "content": result.content}
         return encode(EnvStep(finish=result.finish, reward=float(result.reward), status=result.status,
                               messages=[tool_message], metrics=metrics))
 
@@ -213,7 +215,12 @@ class EnvHost:
     async def _run_call(self, session: Session, message: dict[str, Any]) -> tuple[str, ToolResult]:
         call_id = "call_0"
         try:
-            if message.get("tool_calls") or message.get("invalid_tool_call"):
+            if session.episode.takes_whole_message:  # the episode reads every call itself (BFCL)
+                calls = message.get("tool_calls") or []
+                if isinstance(calls, list) and calls and isinstance(calls[0], dict):
+                    call_id = str(calls[0].get("id") or call_id)
+                run = functools.partial(session.episode.respond, message)
+            elif message.get("tool_calls") or message.get("invalid_tool_call"):
                 call_id, call = parse_tool_call(message)
                 check_arguments(session.episode.tools, call)
                 run = functools.partial(session.episode.call, call)
