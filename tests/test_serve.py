@@ -4,6 +4,7 @@ as a user calls it, following a weight broadcast on a real nats-server; and the 
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import os
 import subprocess
@@ -168,20 +169,31 @@ def test_the_api_conversation_answers_every_call_it_keeps() -> None:
 
 
 def test_jetrl_eval_drives_an_openai_compatible_server(served, tmp_path) -> None:
-    """`jetrl eval --engine openai` against a real server (our own `jetrl serve`): the db test split through the
-    same env service, grading and report; every turn is one request the server answered."""
+    """`jetrl eval --engine openai` against a real server (our own `jetrl serve`): the db test split, and a BFCL
+    slice where bfcl-eval is installed, through the same env services, grading and report; every turn is
+    one request the server answered."""
+    bfcl = importlib.util.find_spec("bfcl_eval") is not None
+    tasks = {"db": 1, "bfcl": 1} if bfcl else {"db": 1}
     health = f"{served.url.removesuffix('/v1')}/health"
     before = json.load(urllib.request.urlopen(health, timeout=10))["requests"]
     run_dir = tmp_path / "eval"
     proc = subprocess.run(
         [sys.executable, "-m", "jetrl.cli", "eval", "--engine", "openai", "--base-url", served.url,
-         "--model", "tiny-policy", "--rollouts", "1", f"--run.dir={run_dir}", '--controller.tasks={"db": 1}',
-         "--controller.eval_limit=3", "--rollout.max_new_tokens=24", "--env.invalid_action_ends_episode=true"],
+         "--model", "tiny-policy", "--rollouts", "1", f"--run.dir={run_dir}", f"--controller.tasks={json.dumps(tasks)}",
+         "--controller.eval_limit=3", "--rollout.max_new_tokens=24", "--env.invalid_action_ends_episode=true",
+         '--env.bfcl.categories=["simple_python", "parallel", "irrelevance"]'],
         cwd=REPO, capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=str(REPO)))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    report = json.loads((run_dir / "eval.json").read_text())["greedy"]["db"]
+    reports = json.loads((run_dir / "eval.json").read_text())["greedy"]
+    report = reports["db"]
     assert report["episodes"] == 3 and report["tasks"] == 3 and len(report["success_ci95"]) == 2
     assert report["statuses"].get("env_error", 0) == 0, report["statuses"]
+    turns = report["mean_turns"] * report["episodes"]
+    if bfcl:  # one entry of each category, each one turn, graded by BFCL's checkers
+        b = reports["bfcl"]
+        assert b["episodes"] == 3 and b["statuses"] == {"completed": 3} and b["mean_turns"] == 1.0
+        assert set(b["by_kind"]) == {"simple_python", "parallel", "irrelevance"}
+        turns += 3
     served_requests = json.load(urllib.request.urlopen(health, timeout=10))["requests"] - before
-    assert served_requests == round(report["mean_turns"] * report["episodes"]) >= 3
+    assert served_requests == round(turns) >= 3
     assert "greedy: " in proc.stdout and "db" in proc.stdout  # the printed table

