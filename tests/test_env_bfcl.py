@@ -126,3 +126,12 @@ def test_jetrl_eval_suite_bfcl_runs_a_slice_against_smollm2(tmp_path: Path) -> N
     assert set(report["by_kind"]) == {"simple_python", "multiple", "parallel", "irrelevance"}
     for kind in report["by_kind"].values():
         assert kind["success"] in (0.0, 1.0) and len(kind["success_ci95"]) == 2
+
+
+def test_unreadable_calls_count_against_the_well_formed_rate() -> None:
+    from services.envs.host import malformed
+
+    assert malformed({"role": "assistant", "content": "", "invalid_tool_call": "not JSON"})
+    assert malformed(reply({"id": "c", "type": "function", "function": {"name": "f", "arguments": "{oops"}}))
+    assert malformed(reply({"id": "c", "type": "function", "function": {"name": "f", "arguments": "[1]"}}))
+    assert not malformed(reply(call("f", {"x": 1}))) and not malformed(reply(content="no call"))

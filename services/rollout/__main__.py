@@ -64,6 +64,8 @@ async def main(argv: list[str]) -> None:
         js = nc.jetstream()
         await declare_topology(js, subjects, cfg.nats, cfg.controller.heartbeat_ttl_s)
         worker = RolloutWorker(nc, js, subjects, cfg.rollout, engine, tokenizer, replica_id, model_path)
+        if worker.chat_api is not None:
+            stack.push_async_callback(worker.chat_api.close)
         jobs = [worker.report_metrics(), heartbeat_loop(js, subjects, "rollout", replica_id, {
             "engine_id": engine_id, "engine": cfg.rollout.engine, "kind": cfg.rollout.engine_kind, "pid": os.getpid()})]
         if cfg.serve.enabled:  # the policy over the OpenAI API (jetrl serve)
