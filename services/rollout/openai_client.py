@@ -32,6 +32,11 @@ class ChatAPIError(RuntimeError):
     pass
 
 
+class ContextLimit(ChatAPIError):
+    """The server refused the conversation as longer than its context: the episode ends as
+    ``agent_context_limit``, as it would with our own engines."""
+
+
 class OpenAIChatClient:
     def __init__(self, cfg: RolloutConfig) -> None:
         self.url = cfg.openai_base_url.rstrip("/") + "/chat/completions"
@@ -64,7 +69,10 @@ class OpenAIChatClient:
                 await asyncio.sleep(2.0 ** attempt)
                 continue
             if resp.status_code != 200:
-                raise ChatAPIError(f"{self.url}: HTTP {resp.status_code}: {resp.text[:500]}")
+                text = resp.text[:500]
+                if resp.status_code == 400 and ("context_length_exceeded" in text or "context length" in text):
+                    raise ContextLimit(f"{self.url}: {text}")
+                raise ChatAPIError(f"{self.url}: HTTP {resp.status_code}: {text}")
             data = resp.json()
             self.requests += 1
             for key in self.usage:

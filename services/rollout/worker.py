@@ -28,7 +28,7 @@ from nats.micro.request import Request
 
 from services.rollout.chat import parse_assistant, render_observation, render_opening, render_tool_call
 from services.rollout.engine import Engine, Generation
-from services.rollout.openai_client import OpenAIChatClient, history_after_turn
+from services.rollout.openai_client import ContextLimit, OpenAIChatClient, history_after_turn
 from shared.bus import dead_letter, decode_or_dead_letter, publish_metrics, read_object
 from shared.config import RolloutConfig
 from shared.envapi import ERROR_CODE_HEADER, ERROR_HEADER, EnvClient, EnvError
@@ -190,7 +190,14 @@ class RolloutWorker:
                     break
                 action: dict[str, Any] | None = None
                 if self.chat_api is not None:
-                    action = await self.chat_api.complete(history, opening.tools, job.temperature, job.max_new_tokens)
+                    try:
+                        action = await self.chat_api.complete(history, opening.tools, job.temperature,
+                                                              job.max_new_tokens)
+                    except ContextLimit:
+                        status = EpisodeStatus.AGENT_CONTEXT_LIMIT
+                        await env.cancel(opening.replica_id, session_id, reason=status)
+                        closed = True
+                        break
                     gen = self.api_turn(action)
                 else:
                     gen = await self.next_turn(buf.tokens, job, env, opening.replica_id, session_id)
