@@ -252,3 +252,25 @@ def test_jetrl_eval_drives_llama_cpp_serving_the_smollm2_gguf(tmp_path) -> None:
         server.terminate()
         server.wait(timeout=30)
         log.close()
+
+
+async def test_a_slow_turn_keeps_its_job_from_being_redelivered(nc, subjects, config) -> None:
+    """A turn that takes longer than the job's ack wait (a remote API taking a minute) touches the job, so
+    JetStream does not hand it to another replica meanwhile."""
+    from nats.errors import TimeoutError as NatsTimeout
+
+    from services.rollout.worker import RolloutWorker
+    from shared.messages import EpisodeJob
+
+    config.rollout.engine, config.rollout.job_ack_wait_s = "oracle", 1.0
+    tok = load_tokenizer(resolve_model(config.model))
+    worker = RolloutWorker(nc, nc.jetstream(), subjects, config.rollout, None, tok, "rollout-touch")
+    sub = await worker.subscribe_jobs()
+    job = EpisodeJob(episode_id="e1", group_id="g1", task="db", task_id="t")
+    await nc.jetstream().publish(subjects.jobs("db"), encode(job))
+    (msg,) = await sub.fetch(1, timeout=5)
+    async with worker._touching(msg):
+        await asyncio.sleep(2.5)  # 2.5 ack waits
+    with pytest.raises(NatsTimeout):  # nothing redelivered: the job is still ours
+        await sub.fetch(1, timeout=0.5)
+    await msg.ack_sync()

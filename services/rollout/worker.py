@@ -9,10 +9,12 @@ as ``Nats-Msg-Id`` (so a job redelivered after its trajectory was stored is dedu
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import random
 import time
 import zlib
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -191,8 +193,9 @@ class RolloutWorker:
                 action: dict[str, Any] | None = None
                 if self.chat_api is not None:
                     try:
-                        action = await self.chat_api.complete(history, opening.tools, job.temperature,
-                                                              job.max_new_tokens)
+                        async with self._touching(msg):
+                            action = await self.chat_api.complete(history, opening.tools, job.temperature,
+                                                                  job.max_new_tokens)
                     except ContextLimit:
                         status = EpisodeStatus.AGENT_CONTEXT_LIMIT
                         await env.cancel(opening.replica_id, session_id, reason=status)
@@ -200,7 +203,8 @@ class RolloutWorker:
                         break
                     gen = self.api_turn(action)
                 else:
-                    gen = await self.next_turn(buf.tokens, job, env, opening.replica_id, session_id)
+                    async with self._touching(msg):
+                        gen = await self.next_turn(buf.tokens, job, env, opening.replica_id, session_id)
                 start = len(buf.tokens)
                 buf.add(gen.tokens, gen.logprobs, trainable=True)
                 buf.turns.append(TurnInfo(start=start, end=len(buf.tokens), engine_id=gen.engine_id,
@@ -243,6 +247,29 @@ class RolloutWorker:
         )
         await self._publish_trajectory(traj)
         return traj
+
+    @contextlib.asynccontextmanager
+    async def _touching(self, msg: Msg | None) -> AsyncIterator[None]:
+        """While a turn is being generated, tell JetStream every third of ``job_ack_wait_s`` that the job is
+        alive: a slow turn (a busy engine, a remote API taking a minute) must not get the job redelivered to
+        another replica, which would play the episode twice."""
+        if msg is None:
+            yield
+            return
+
+        async def touch() -> None:
+            while True:
+                await asyncio.sleep(max(0.2, self.cfg.job_ack_wait_s / 3))
+                try:
+                    await msg.in_progress()
+                except Exception as exc:  # the broker is restarting: the next touch or the turn's end retries
+                    log.warning("job_touch_failed", error=repr(exc))
+
+        task = asyncio.create_task(touch())
+        try:
+            yield
+        finally:
+            task.cancel()
 
     @staticmethod
     async def _cancel_quietly(env: EnvClient, replica_id: str, session_id: str) -> None:
