@@ -3,8 +3,9 @@
 # llama.cpp (~10-20 min on 2 cores). tests/test_serve.py's llama.cpp test skips until this has run.
 .PHONY: venv-llamacpp test-llamacpp
 
+# LLAVA_BUILD=OFF: the multimodal library (a third of the compile) is not needed for a text model
 venv-llamacpp: venv
-	$(PIP) install -q --disable-pip-version-check -e '.[llamacpp]'
+	CMAKE_ARGS="-DLLAVA_BUILD=OFF $(CMAKE_ARGS)" $(PIP) install -q --disable-pip-version-check -e '.[llamacpp]'
 
 test-llamacpp: venv-llamacpp
 	$(BIN)/python -m pytest -q -ra tests/test_serve.py -k llama
