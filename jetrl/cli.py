@@ -4,6 +4,9 @@
     jetrl up [--config FILE] [--rollouts N] [--section.key=value ...]
     jetrl sft [--config FILE] [...]     # warm start on oracle demonstrations -> <run>/model
     jetrl eval [--config FILE] [...]    # test split, greedy, per-task report -> <run>/eval.json
+    jetrl eval --engine openai --base-url URL --model NAME   # the same, any OpenAI-compatible server
+    jetrl eval --suite bfcl [...]       # BFCL's offline categories, per-category accuracy
+    jetrl serve [--config FILE] [...]   # the policy over the OpenAI API, following weight broadcasts
     jetrl probe [--config FILE] [...]   # eval, greedy and sampled, per task / level / kind
     jetrl watch [--run-dir DIR | --url NATS_URL --prefix P] [--task T] [--events]
     jetrl status [--run-dir DIR]
@@ -207,8 +210,22 @@ MODE_DEFAULTS = {
 }
 
 
+def eval_overrides(args: argparse.Namespace) -> list[str]:
+    """``jetrl eval``'s own flags as config overrides (flags given after them still win)."""
+    out = []
+    if getattr(args, "engine", None):
+        out.append(f"rollout.engine={args.engine}")
+    if getattr(args, "base_url", None):
+        out.append(f"rollout.openai_base_url={args.base_url}")
+    if getattr(args, "model", None):
+        out.append(f"rollout.openai_model={args.model}")
+    if getattr(args, "suite", None):
+        out.append('controller.tasks={"' + args.suite + '": 1.0}')
+    return out
+
+
 def cmd_up(args: argparse.Namespace, overrides: list[str], mode: str = "up") -> int:
-    cfg = load_config(args.config, MODE_DEFAULTS[mode] + overrides)
+    cfg = load_config(args.config, MODE_DEFAULTS[mode] + eval_overrides(args) + overrides)
     run_dir = Path(cfg.run.dir).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg.run.dir = str(run_dir)
@@ -282,15 +299,61 @@ def _print_eval(report: dict[str, Any]) -> None:
               f"{'turns':>6s}  {'pass@k' if name == 'sampled' else ''}")
         for task, r in by_task.items():
             lo, hi = r["success_ci95"]
-            pass_k = next((f"{k} {v:.3f}" for k, v in r.items() if k.startswith("pass@")), "")
+            pass_k = next((f"{k} {v:.3f} [{r[k + '_ci95'][0]:5.3f},{r[k + '_ci95'][1]:5.3f}]" for k, v in r.items()
+                           if k.startswith("pass@") and not k.endswith("_ci95")), "")
             print(f"{'':{len(name) + 2}s}{task:18s} {r['episodes']:8d} {r['success']:8.3f} [{lo:5.3f},{hi:5.3f}] "
                   f"{r['well_formed_rate']:11.3f} {r['mean_turns']:6.2f}  {pass_k}")
             for part in ("by_level", "by_kind"):
                 for key, b in r[part].items():
                     if len(r[part]) > 1:
                         label = f"  {part[3:]} {key}"
-                        print(f"{'':{len(name) + 2}s}{label:18s} {b['episodes']:8d} {b['success']:8.3f} {'':13s} "
-                              f"{b['well_formed_rate']:11.3f}")
+                        blo, bhi = b.get("success_ci95", (float("nan"), float("nan")))
+                        print(f"{'':{len(name) + 2}s}{label:18s} {b['episodes']:8d} {b['success']:8.3f} "
+                              f"[{blo:5.3f},{bhi:5.3f}] {b['well_formed_rate']:11.3f}")
+
+
+def cmd_serve(args: argparse.Namespace, overrides: list[str]) -> int:
+    """One rollout replica that serves no jobs and answers /v1/chat/completions instead, following the weight
+    broadcasts of the run on ``nats.url`` (a training run's config.toml names it); without one, an embedded
+    nats-server, where anything may publish weights."""
+    cfg = load_config(args.config, ["serve.enabled=true", "rollout.serve_jobs=false", "rollout.serve_pool=false"]
+                      + overrides)
+    run_dir = Path(cfg.run.dir).resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cfg.run.dir = str(run_dir)
+    server = None
+    if not cfg.nats.url:
+        server = EmbeddedNats(run_dir / "nats-serve")
+        cfg.nats.url = server.start()
+    config_path = run_dir / "serve.toml"
+    save_config(cfg, config_path)
+    url_file = run_dir / "serve.url"
+    url_file.unlink(missing_ok=True)
+    sup = Supervisor(cfg, config_path, run_dir)
+    stop = {"now": False}
+    signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
+    rc = 0
+    try:
+        sup.spawn("serve", ["services.rollout"])
+        announced = False
+        while not stop["now"]:
+            if not announced and url_file.exists():
+                print(f"jetrl serve: {cfg.serve.model_name} at {url_file.read_text().strip()} (OpenAI chat "
+                      f"completions; weights from NATS {cfg.nats.url}, prefix {cfg.nats.prefix}); Ctrl-C stops",
+                      flush=True)
+                announced = True
+            if sup.dead():
+                print(f"jetrl serve: the server exited; see {run_dir / 'logs' / 'serve.log'}", file=sys.stderr)
+                rc = 1
+                break
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        sup.stop_all()
+        if server is not None:
+            server.stop()
+    return rc
 
 
 def _run_target(run_dir: str | None, url: str | None, prefix: str | None) -> tuple[str, str]:
@@ -413,6 +476,14 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--stale-engines", type=int, default=0,
                        help="extra pool engines that take new weights every rollout.stale_every versions "
                             "(used when rollout.cross_policy_prob > 0)")
+        if name in ("eval", "probe"):
+            p.add_argument("--engine", default=None, help="rollout.engine: continuous | hf | vllm | openai")
+            p.add_argument("--base-url", default=None, help="openai engine: the server, e.g. http://host:8001/v1")
+            p.add_argument("--model", default=None, help="openai engine: the model name the server knows")
+            p.add_argument("--suite", default=None, help="a task suite instead of controller.tasks (bfcl)")
+    serve = sub.add_parser("serve", help="the policy over the OpenAI chat-completions API, following weight "
+                                         "broadcasts (--config of a running training run)")
+    serve.add_argument("--config", default=None)
     watch = sub.add_parser("watch", help="print live trajectories (and with --events every action/observation)")
     watch.add_argument("--run-dir", default="runs/latest")
     watch.add_argument("--url", default=None)
@@ -441,6 +512,8 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging("cli", level="warning")  # the CLI prints its own lines; services log to their files
     if args.command in MODE_DEFAULTS:
         return cmd_up(args, rest, args.command)
+    if args.command == "serve":
+        return cmd_serve(args, rest)
     if args.command == "quickstart":
         from jetrl.quickstart import cmd_quickstart
 

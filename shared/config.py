@@ -140,6 +140,18 @@ class WebShopTaskConfig:
 
 
 @dataclass
+class BFCLTaskConfig:
+    """[env.bfcl]: the Berkeley Function Calling Leaderboard's offline categories (PyPI bfcl-eval), eval only."""
+
+    categories: list[str] = opt(["simple_python", "multiple", "parallel", "irrelevance", "multi_turn_base"],
+                                "BFCL categories to run: simple_python, multiple, parallel, parallel_multiple, "
+                                "irrelevance, multi_turn_base")
+    per_category: int = opt(0, "first entries of each category to keep (0 = all)")
+    max_observation_chars: int = opt(4000, "overrides env.max_observation_chars: a multi-turn tool result "
+                                           "(a file listing, a ticket) is kept whole")
+
+
+@dataclass
 class EnvConfig:
     """[env]: what every task's env service reads; [env.<task>] sections hold each task's own keys."""
 
@@ -164,6 +176,7 @@ class EnvConfig:
     kg: KGTaskConfig = field(default_factory=KGTaskConfig)
     alfworld: AlfworldTaskConfig = field(default_factory=AlfworldTaskConfig)
     webshop: WebShopTaskConfig = field(default_factory=WebShopTaskConfig)
+    bfcl: BFCLTaskConfig = field(default_factory=BFCLTaskConfig)
 
     def task_value(self, task: str, key: str) -> Any:
         """A generic key as one task sees it: the task section's value where it overrides the key
@@ -196,7 +209,8 @@ RENAMED: dict[str, str] = {f"env.{task}_{key}": f"env.{task}.{key}"
 class RolloutConfig:
     engine: str = opt("continuous", "generation engine: continuous (continuous batching, KV cache kept across "
                                     "turns and shared by a group) | hf (transformers generate, the reference) | "
-                                    "vllm (scale-out) | oracle (plays the env's scripted expert)")
+                                    "vllm (scale-out) | oracle (plays the env's scripted expert) | openai (an OpenAI-compatible "
+                                    "server, for baselines: rollout.openai_*)")
     engine_kind: str = opt("current", "current (loads every weight version) | stale (one every stale_every versions)")
     stale_every: int = opt(25, "a stale engine takes new weights only every this many versions (AgentRL: 25)")
     pool: str = opt("default", "generation pool this replica's engine serves and draws from")
@@ -228,6 +242,11 @@ class RolloutConfig:
     vllm_gpu_memory_utilization: float = opt(0.85, "vllm on a GPU: share of its memory for weights + KV cache")
     vllm_kv_cache_gb: float = opt(1.0, "vllm on the CPU: KV cache size in GiB")
     vllm_enforce_eager: bool = opt(False, "vllm: no CUDA graphs / torch.compile (faster start, slower steps)")
+    # engine = "openai": every turn is a chat-completions request to an OpenAI-compatible server (baselines)
+    openai_base_url: str = opt("", "openai engine: the server's base URL, e.g. http://127.0.0.1:8001/v1")
+    openai_model: str = opt("", "openai engine: the model name sent with each request")
+    openai_api_key: str = opt("", "openai engine: API key; empty = the OPENAI_API_KEY environment variable")
+    openai_timeout_s: float = opt(300.0, "openai engine: seconds one request may take")
 
 
 @dataclass
@@ -319,6 +338,18 @@ class WarmStartConfig:
 
 
 @dataclass
+class ServeConfig:
+    """[serve]: the policy over the OpenAI API (``jetrl serve``; services/rollout/openai_api.py)."""
+
+    enabled: bool = opt(False, "a rollout replica also answers POST /v1/chat/completions over HTTP")
+    host: str = opt("127.0.0.1", "address the chat-completions endpoint listens on")
+    port: int = opt(8001, "its port; 0 = a free one (the URL is written to <run>/serve.url either way)")
+    model_name: str = opt("jetrl-policy", "the model id clients ask for; any other is refused (404)")
+    max_tokens: int = opt(256, "tokens an answer may have when the request does not say")
+    api_key: str = opt("", "if set, requests must send Authorization: Bearer <api_key>")
+
+
+@dataclass
 class JetRLConfig:
     nats: NatsConfig = field(default_factory=NatsConfig)
     run: RunConfig = field(default_factory=RunConfig)
@@ -328,6 +359,7 @@ class JetRLConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     controller: ControllerConfig = field(default_factory=ControllerConfig)
     warmstart: WarmStartConfig = field(default_factory=WarmStartConfig)
+    serve: ServeConfig = field(default_factory=ServeConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -479,8 +511,11 @@ def validate(cfg: JetRLConfig) -> None:
         raise ConfigError(f"trainer.task_norm must be scale | paper | off, got {cfg.trainer.task_norm!r}")
     if cfg.trainer.lora_rank < 0:
         raise ConfigError("trainer.lora_rank must be >= 0 (0 = full fine-tuning)")
-    if cfg.rollout.engine not in ("continuous", "hf", "vllm", "oracle"):
-        raise ConfigError(f"rollout.engine must be continuous | hf | vllm | oracle, got {cfg.rollout.engine!r}")
+    if cfg.rollout.engine not in ("continuous", "hf", "vllm", "oracle", "openai"):
+        raise ConfigError(f"rollout.engine must be continuous | hf | vllm | oracle | openai, got {cfg.rollout.engine!r}")
+    if cfg.rollout.engine == "openai" and not (cfg.rollout.openai_base_url and cfg.rollout.openai_model):
+        raise ConfigError("rollout.engine=openai needs rollout.openai_base_url and rollout.openai_model "
+                          "(jetrl eval --engine openai --base-url URL --model NAME)")
     if not cfg.controller.eval_passes or set(cfg.controller.eval_passes) - {"greedy", "sampled"}:
         raise ConfigError(f"controller.eval_passes must list greedy and/or sampled, got {cfg.controller.eval_passes}")
     if cfg.rollout.tool_format not in ("json", "compact"):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.controller.report import bootstrap_interval, eval_report, pass_at_k
+from services.controller.report import bootstrap_interval, eval_report, pass_at_k, pass_at_k_report
 from shared.messages import Trajectory, TurnInfo
 
 
@@ -47,11 +47,31 @@ def test_report_per_level_kind_and_well_formed_rate_by_hand() -> None:
     assert g["well_formed_rate"] == pytest.approx(7 / 8)
     assert g["by_level"]["1"]["success"] == 1.0 and g["by_level"]["2"]["success"] == 0.0
     assert g["by_level"]["2"]["well_formed_rate"] == pytest.approx(3 / 4)
-    assert g["by_kind"]["update"] == {"episodes": 1, "success": 1.0, "well_formed_rate": 1.0}
+    assert g["by_kind"]["update"] == {"episodes": 1, "success": 1.0, "success_ci95": [1.0, 1.0],
+                                      "well_formed_rate": 1.0}
+    assert g["by_level"]["2"]["success_ci95"] == [0.0, 0.0]  # no spread: the interval collapses
     lo, hi = g["success_ci95"]
     assert 0.0 <= lo <= 0.5 <= hi <= 1.0
     assert "pass@1" not in g
     assert g["per_task_success"] == {"a": 1.0, "b": 1.0, "c": 0.0, "d": 0.0}
     s = report["sampled"]["db"]
     assert s["success"] == 0.5 and s["pass@2"] == pytest.approx(2 / 3)
+    # pass@1 is the unbiased per-task success: (1 + 1/2 + 0) / 3; pass@2 per task: 1, 1, 0
+    assert s["pass_at"] == {"1": pytest.approx(0.5), "2": pytest.approx(2 / 3)}
+    lo, hi = s["pass@2_ci95"]
+    assert 0.0 <= lo < 2 / 3 < hi <= 1.0
     assert s["per_task_success"] == {"a": 1.0, "b": 0.5, "c": 0.0}
+
+
+def test_pass_at_k_with_its_interval_by_hand() -> None:
+    # n=5 samples per task. Task a: c=2 -> pass@3 = 1 - C(3,3)/C(5,3) = 1 - 1/10 = 0.9, pass@2 = 1 - 3/10 = 0.7,
+    # pass@1 = 2/5. Task b: c=0 -> 0 everywhere. Task c: c=5 -> 1 everywhere. Task d has 2 samples < k: left out.
+    per_task = [[1, 1, 0, 0, 0], [0] * 5, [1] * 5, [1, 0]]
+    r = pass_at_k_report([[float(x) for x in ts] for ts in per_task], 3)
+    assert r["pass@3"] == pytest.approx((0.9 + 0 + 1) / 3)
+    assert r["pass_at"] == {"1": pytest.approx((0.4 + 0 + 1) / 3), "2": pytest.approx((0.7 + 0 + 1) / 3),
+                            "3": pytest.approx((0.9 + 0 + 1) / 3)}
+    # the interval resamples the three per-task values: it brackets their mean and stays in [0, 1]
+    lo, hi = r["pass@3_ci95"]
+    assert 0.0 <= lo < r["pass@3"] < hi <= 1.0
+    assert pass_at_k_report([[1.0, 0.0]], 3) == {} and pass_at_k_report([[1.0, 0.0]], 1) == {}

@@ -103,9 +103,10 @@ class Controller:
         self.board = RunBoard(subjects)  # what the dashboard and the trajectory viewer show
 
     # ------------------------------------------------------------------ plan and publish
-    async def fetch_task_ids(self, timeout_s: float = 120.0) -> dict[str, list[str]]:
-        """Ask each task's env service for its training task ids (waits for env replicas to come up); the first
-        ``controller.train_limit`` of them when that is set."""
+    async def fetch_task_ids(self, timeout_s: float = 120.0, split: str = "train",
+                             train_limit: bool = True) -> dict[str, list[str]]:
+        """Ask each task's env service for its task ids of a split (waits for env replicas to come up: alfworld's
+        takes longer than a request's timeout); for training, the first ``controller.train_limit`` of them."""
         out: dict[str, list[str]] = {}
         deadline = time.monotonic() + timeout_s
         for task, share in self.cfg.controller.tasks.items():
@@ -114,15 +115,16 @@ class Controller:
             client = EnvClient(self.nc, self.subjects, task, timeout_s=10.0)
             while True:
                 try:
-                    out[task] = await client.task_ids("train")
+                    out[task] = await client.task_ids(split)
                     break
                 except EnvError as exc:
                     if time.monotonic() > deadline:
                         raise RuntimeError(f"env service for task {task!r} did not answer: {exc}") from None
                     await asyncio.sleep(0.5)
             if not out[task]:
-                raise RuntimeError(f"env service for task {task!r} has no training tasks")
-            out[task] = out[task][: self.cfg.controller.train_limit or None]
+                raise RuntimeError(f"env service for task {task!r} has no {split} tasks")
+            if train_limit:
+                out[task] = out[task][: self.cfg.controller.train_limit or None]
         return out
 
     async def publish_jobs(self, stop: asyncio.Event) -> None:
@@ -163,11 +165,8 @@ class Controller:
         samples = {"greedy": 1, "sampled": max(1, c.eval_samples)}
         temperature = {"greedy": 0.0, "sampled": c.eval_temperature}
         self.eval_results = {name: defaultdict(list) for name in c.eval_passes}
-        ids = {}
-        for task, share in c.tasks.items():
-            if share > 0:
-                all_ids = await EnvClient(self.nc, self.subjects, task, timeout_s=10.0).task_ids(c.eval_split)
-                ids[task] = all_ids[: c.eval_limit or None]
+        ids = {task: all_ids[: c.eval_limit or None]
+               for task, all_ids in (await self.fetch_task_ids(split=c.eval_split, train_limit=False)).items()}
         # what the run will publish, per task: `jetrl eval` shows progress and an ETA against it
         self.eval_planned = {task: len(task_ids) * sum(samples[name] for name in c.eval_passes)
                              for task, task_ids in ids.items()}

@@ -5,11 +5,12 @@ Figures for one pass (greedy, or ``k`` samples per task at a temperature):
 * ``success``: mean over episodes, with a 95 % bootstrap interval over *tasks* (episodes of one task
   are not independent, so tasks are the resampling unit; seeded, so a report is reproducible);
 * ``pass@k`` (sampled passes): the unbiased estimator of Chen et al. 2021, ``1 - C(n-c, k) / C(n, k)``
-  per task with ``n`` samples of which ``c`` succeeded, averaged over tasks;
+  per task with ``n`` samples of which ``c`` succeeded, averaged over tasks, with ``pass@k_ci95`` (the
+  same bootstrap over tasks) and ``pass_at`` (every ``j`` from 1 to ``k``: pass@1 is the success rate);
 * ``well_formed_rate``: share of turns whose tool call the env accepted (1 - invalid actions / turns);
 * ``per_task_success``: each task id's mean success (a benchmark pairs two reports on these);
-* ``mean_reward``, ``mean_turns``, ``statuses``, and the same success / well-formed figures ``by_level``
-  and ``by_kind`` (as the env reports them for each task).
+* ``mean_reward``, ``mean_turns``, ``statuses``, and the same success (with its interval) / well-formed
+  figures ``by_level`` and ``by_kind`` (as the env reports them for each task; BFCL's categories are kinds).
 """
 
 from __future__ import annotations
@@ -56,19 +57,41 @@ def _well_formed(trajs: list[Trajectory]) -> float:
     return 1.0 - invalid / turns if turns else float("nan")
 
 
-def _breakdown(trajs: list[Trajectory], key: str) -> dict[str, dict[str, float]]:
+def _per_task(trajs: list[Trajectory]) -> list[list[float]]:
+    """Success of each episode, grouped by task id (the bootstrap's resampling unit)."""
+    by_task_id: dict[str, list[float]] = defaultdict(list)
+    for t in trajs:
+        by_task_id[t.task_id].append(float(t.success))
+    return [v for _, v in sorted(by_task_id.items())]
+
+
+def _breakdown(trajs: list[Trajectory], key: str) -> dict[str, dict[str, Any]]:
     groups: dict[str, list[Trajectory]] = defaultdict(list)
     for t in trajs:
         groups[str(getattr(t, key))].append(t)
     return {name: {"episodes": len(ts), "success": sum(t.success for t in ts) / len(ts),
+                   "success_ci95": list(bootstrap_interval(_per_task(ts))),
                    "well_formed_rate": _well_formed(ts)} for name, ts in sorted(groups.items())}
+
+
+def pass_at_k_report(per_task: list[list[float]], k: int) -> dict[str, Any]:
+    """``pass@k``, its 95 % bootstrap interval over tasks and ``pass_at`` {j: pass@j} for j = 1..k, over the
+    tasks with at least ``k`` samples (empty when none has)."""
+    usable = [ts for ts in per_task if len(ts) >= k]
+    if k < 2 or not usable:
+        return {}
+    scores = {j: [pass_at_k(len(ts), int(sum(ts)), j) for ts in usable] for j in range(1, k + 1)}
+    return {f"pass@{k}": sum(scores[k]) / len(usable),
+            # every task contributes one number, so resampling tasks is resampling these
+            f"pass@{k}_ci95": list(bootstrap_interval([[v] for v in scores[k]])),
+            "pass_at": {str(j): sum(v) / len(usable) for j, v in scores.items()}}
 
 
 def task_report(trajs: list[Trajectory], samples: int) -> dict[str, Any]:
     by_task_id: dict[str, list[Trajectory]] = defaultdict(list)
     for t in trajs:
         by_task_id[t.task_id].append(t)
-    per_task = [[float(t.success) for t in ts] for _, ts in sorted(by_task_id.items())]
+    per_task = _per_task(trajs)
     turns = sum(len(t.turns) for t in trajs)
     report: dict[str, Any] = {
         "episodes": len(trajs), "tasks": len(by_task_id),
@@ -84,10 +107,7 @@ def task_report(trajs: list[Trajectory], samples: int) -> dict[str, Any]:
         # per task id: mean success over its episodes (two reports on the same tasks pair up on these)
         "per_task_success": {tid: sum(t.success for t in ts) / len(ts) for tid, ts in sorted(by_task_id.items())},
     }
-    if samples > 1:
-        usable = [ts for ts in per_task if len(ts) >= samples]
-        if usable:
-            report[f"pass@{samples}"] = sum(pass_at_k(len(ts), int(sum(ts)), samples) for ts in usable) / len(usable)
+    report.update(pass_at_k_report(per_task, samples))
     return report
 
 

@@ -22,6 +22,7 @@ TASK_MODULES = {
     "kg": "services.envs.kg",
     "alfworld": "services.envs.alfworld_env",  # not "alfworld": that is the PyPI engine package
     "webshop": "services.envs.webshop",
+    "bfcl": "services.envs.bfcl",  # evaluation only (jetrl eval --suite bfcl): PyPI bfcl-eval
 }
 
 

@@ -26,6 +26,8 @@ class ToolResult:
     reward: float = 0.0
     status: str = "running"
     metrics: dict[str, float] = field(default_factory=dict)
+    role: str = "tool"
+    """``user`` for what is not a tool's answer: the next user turn of a multi-turn conversation (BFCL)."""
 
 
 @dataclass
@@ -42,6 +44,9 @@ class ToolError(Exception):
 
 class Episode(ABC):
     max_turns: int = 15
+    takes_whole_message: bool = False
+    """True: the host hands each assistant message as it is to ``respond`` (every tool call of it: BFCL grades
+    parallel calls) instead of checking and running its first call with ``call`` / ``reply``."""
 
     @property
     @abstractmethod
@@ -60,6 +65,10 @@ class Episode(ABC):
         """An assistant turn with no tool call. Most tasks refuse it; AgentBench's KG task takes its
         final answer this way ("Final Answer: #3"). Raise ToolError for a bad turn, as ``call`` does."""
         raise ToolError("No tool call found. Reply with exactly one tool call, using one of the listed tools.")
+
+    def respond(self, message: dict[str, Any]) -> ToolResult:
+        """The whole assistant message, for episodes with ``takes_whole_message``."""
+        raise NotImplementedError
 
     def close(self) -> None:
         """Free what the episode holds (databases, sandboxes). Called exactly once."""

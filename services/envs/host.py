@@ -83,6 +83,20 @@ def parse_tool_call(message: dict[str, Any]) -> tuple[str, ToolCall]:
     return str(call.get("id") or "call_0"), ToolCall(name=name, arguments=args)
 
 
+def malformed(message: dict[str, Any]) -> bool:
+    """A tool call that cannot be read: broken ``<tool_call>`` text, or arguments that are not a JSON object."""
+    if message.get("invalid_tool_call"):
+        return True
+    for call in message.get("tool_calls") or []:
+        try:
+            args = call["function"].get("arguments", "{}")
+            if not isinstance(json.loads(args) if isinstance(args, str) else args, dict):
+                return True
+        except (KeyError, TypeError, AttributeError, json.JSONDecodeError):
+            return True
+    return False
+
+
 def check_arguments(tool_schemas: list[dict[str, Any]], call: ToolCall) -> None:
     """Unknown tool, missing or unexpected arguments, wrong JSON types -> ToolError."""
     by_name = {t["function"]["name"]: t["function"] for t in tool_schemas}
@@ -198,7 +212,9 @@ class EnvHost:
             if result.finish:
                 await self._close(session, result.status)
             session.last_active = time.monotonic()
-        tool_message = {"role": "tool", "tool_call_id": call_id, "content": result.content}
+        tool_message = {"role": result.role, "content": result.content}
+        if result.role == "tool":
+            tool_message = {"role": "tool", "tool_call_id": call_id, "content": result.content}
         return encode(EnvStep(finish=result.finish, reward=float(result.reward), status=result.status,
                               messages=[tool_message], metrics=metrics))
 
@@ -213,7 +229,14 @@ class EnvHost:
     async def _run_call(self, session: Session, message: dict[str, Any]) -> tuple[str, ToolResult]:
         call_id = "call_0"
         try:
-            if message.get("tool_calls") or message.get("invalid_tool_call"):
+            if session.episode.takes_whole_message:  # the episode reads every call itself (BFCL)
+                calls = message.get("tool_calls") or []
+                if isinstance(calls, list) and calls and isinstance(calls[0], dict):
+                    call_id = str(calls[0].get("id") or call_id)
+                if malformed(message):  # still the episode's to grade; counted for the well-formed rate
+                    session.invalid_actions += 1
+                run = functools.partial(session.episode.respond, message)
+            elif message.get("tool_calls") or message.get("invalid_tool_call"):
                 call_id, call = parse_tool_call(message)
                 check_arguments(session.episode.tools, call)
                 run = functools.partial(session.episode.call, call)

@@ -5,14 +5,19 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import sys
 from contextlib import AsyncExitStack
+from pathlib import Path
+from typing import Any
+
+import uvicorn
 
 from services.rollout.continuous import ContinuousEngine
-from services.rollout.engine import HFEngine
+from services.rollout.engine import Engine, HFEngine
 from services.rollout.worker import RolloutWorker
 from shared.bus import connect, declare_topology, heartbeat_loop, replica_name
-from shared.config import from_argv
+from shared.config import JetRLConfig, from_argv
 from shared.log import setup_logging
 from shared.model import load_tokenizer, quiet_transformers, resolve_model
 from shared.subjects import Subjects
@@ -50,7 +55,7 @@ async def main(argv: list[str]) -> None:
                             gpu_memory_utilization=cfg.rollout.vllm_gpu_memory_utilization,
                             kv_cache_gb=cfg.rollout.vllm_kv_cache_gb, enforce_eager=cfg.rollout.vllm_enforce_eager,
                             seed=cfg.run.seed)
-    elif cfg.rollout.engine != "oracle":
+    elif cfg.rollout.engine not in ("oracle", "openai"):
         raise SystemExit(f"unknown rollout.engine {cfg.rollout.engine!r}")
     async with AsyncExitStack() as stack:
         if engine is not None:
@@ -60,8 +65,12 @@ async def main(argv: list[str]) -> None:
         js = nc.jetstream()
         await declare_topology(js, subjects, cfg.nats, cfg.controller.heartbeat_ttl_s, role="rollout")
         worker = RolloutWorker(nc, js, subjects, cfg.rollout, engine, tokenizer, replica_id, model_path)
+        if worker.chat_api is not None:
+            stack.push_async_callback(worker.chat_api.close)
         jobs = [worker.report_metrics(), heartbeat_loop(js, subjects, "rollout", replica_id, {
             "engine_id": engine_id, "engine": cfg.rollout.engine, "kind": cfg.rollout.engine_kind, "pid": os.getpid()})]
+        if cfg.serve.enabled:  # the policy over the OpenAI API (jetrl serve)
+            jobs.append(serve_openai(cfg, engine, tokenizer, log))
         if engine is not None:
             if cfg.rollout.follow_weights:
                 jobs.append(worker.follow_weights())
@@ -78,6 +87,28 @@ async def main(argv: list[str]) -> None:
         else:
             await stop.wait()
         log.info("rollout_stopping", episodes_done=worker.episodes_done, **(vars(engine.stats) if hasattr(engine, "stats") else {}))
+
+
+async def serve_openai(cfg: JetRLConfig, engine: Engine | None, tokenizer: Any, log: Any) -> None:
+    """POST /v1/chat/completions with this replica's engine, until cancelled; the URL goes to <run>/serve.url."""
+    from services.rollout.openai_api import ChatCompletions, create_app
+
+    if engine is None:
+        raise SystemExit(f"serve.enabled needs a model engine, not rollout.engine={cfg.rollout.engine!r}")
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((cfg.serve.host, cfg.serve.port))  # port 0: the OS picks a free one
+    url = f"http://{cfg.serve.host}:{sock.getsockname()[1]}/v1"
+    chat = ChatCompletions(engine, tokenizer, cfg.serve, cfg.rollout.tool_format, cfg.rollout.max_context_tokens)
+    server = uvicorn.Server(uvicorn.Config(create_app(chat), log_level="warning", lifespan="off"))
+    run_dir = Path(cfg.run.dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "serve.url").write_text(url + "\n")
+    log.info("openai_api_ready", url=url, model=cfg.serve.model_name)
+    try:
+        await server.serve(sockets=[sock])
+    finally:
+        server.should_exit = True
 
 
 if __name__ == "__main__":

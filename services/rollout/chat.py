@@ -94,28 +94,39 @@ def render_observation(messages: list[dict[str, Any]]) -> str:
 
 
 def parse_assistant(text: str, turn: int) -> dict[str, Any]:
-    """OpenAI-format assistant message from generated text. A ``<tool_call>`` whose JSON is broken is
-    passed on as ``invalid_tool_call`` so the env answers with a clear error observation."""
-    match = TOOL_CALL.search(text)
+    """OpenAI-format assistant message from generated text. A first ``<tool_call>`` whose JSON is broken is
+    passed on as ``invalid_tool_call`` so the env answers with a clear error observation. Several
+    well-formed ``<tool_call>`` blocks (parallel calls: BFCL, the API server) all land in ``tool_calls``,
+    in order (ids ``call_<turn>``, then ``call_<turn>_<i>``); a broken one after the first is dropped.
+    Envs run the first."""
+    blocks = TOOL_CALL.findall(text)
     content = TOOL_CALL.sub("", text).strip()
     message: dict[str, Any] = {"role": "assistant", "content": content}
-    if match is None:
+    if not blocks:
         return message
-    raw = match.group(1).strip()
-    try:
-        call = json.loads(raw)
-    except json.JSONDecodeError as exc:
-        message["invalid_tool_call"] = f"the text inside <tool_call> is not valid JSON ({exc.msg} at char {exc.pos})"
-        return message
-    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-        message["invalid_tool_call"] = 'expected {"name": <function-name>, "arguments": {...}} inside <tool_call>'
-        return message
-    arguments = call.get("arguments", {})
-    message["tool_calls"] = [{
-        "id": f"call_{turn}", "type": "function",
-        "function": {"name": call["name"],
-                     "arguments": arguments if isinstance(arguments, str) else json.dumps(arguments)},
-    }]
+    calls = []
+    for i, block in enumerate(blocks):
+        raw = block.strip()
+        try:
+            call = json.loads(raw)
+        except json.JSONDecodeError as exc:
+            if i == 0:
+                message["invalid_tool_call"] = (f"the text inside <tool_call> is not valid JSON ({exc.msg} "
+                                                f"at char {exc.pos})")
+                return message
+            continue
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            if i == 0:
+                message["invalid_tool_call"] = 'expected {"name": <function-name>, "arguments": {...}} inside <tool_call>'
+                return message
+            continue
+        arguments = call.get("arguments", {})
+        calls.append({
+            "id": f"call_{turn}" if i == 0 else f"call_{turn}_{i}", "type": "function",
+            "function": {"name": call["name"],
+                         "arguments": arguments if isinstance(arguments, str) else json.dumps(arguments)},
+        })
+    message["tool_calls"] = calls
     return message
 
 
@@ -129,3 +140,42 @@ def render_tool_call(message: dict[str, Any]) -> str:
         parts.append("<tool_call>\n" + json.dumps({"name": fn["name"], "arguments": args}, ensure_ascii=False)
                      + "\n</tool_call>")
     return "\n".join(p for p in parts if p)
+
+
+def text_of(content: Any) -> str:
+    """An OpenAI ``content``: a string, ``None``, or a list of parts of which the text ones count."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(str(p.get("text", "")) for p in content if isinstance(p, dict) and p.get("type") == "text")
+    return str(content)
+
+
+def render_chat(messages: list[dict[str, Any]], tools: list[dict[str, Any]], tool_format: str = "json") -> str:
+    """A whole OpenAI conversation as the prompt text the rollout builds turn by turn, ending in
+    ``<|im_start|>assistant\\n``: the opening (system and user messages up to the first assistant one,
+    with the tools in the system prompt), then each assistant message as the text the engine would have
+    sampled (``render_tool_call``) closed by ``<|im_end|>``, and each run of tool / user messages as one
+    observation block (``render_observation``). So a policy served over the API sees exactly the
+    format it was trained on. Without tools there is no tools preamble."""
+    messages = [dict(m, content=text_of(m.get("content"))) for m in messages]
+    first = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), len(messages))
+    if tools:
+        out = render_opening(messages[:first], tools, tool_format)
+    else:
+        out = "".join(_block(m["role"], m["content"]) for m in messages[:first]) + "<|im_start|>assistant\n"
+    pending: list[dict[str, Any]] = []  # tool / user messages since the last assistant turn
+    for m in messages[first:]:
+        if m["role"] == "assistant":
+            if pending:
+                out += render_observation(pending)
+                pending = []
+            out += render_tool_call(m) + "<|im_end|>"
+        else:
+            pending.append(m)
+    if pending:
+        return out + render_observation(pending)
+    # the conversation ended on an assistant message (or had none after the opening)
+    return out + ("\n<|im_start|>assistant\n" if first < len(messages) else "")

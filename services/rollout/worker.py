@@ -9,9 +9,12 @@ as ``Nats-Msg-Id`` (so a job redelivered after its trajectory was stored is dedu
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import random
 import time
 import zlib
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,6 +30,7 @@ from nats.micro.request import Request
 
 from services.rollout.chat import parse_assistant, render_observation, render_opening, render_tool_call
 from services.rollout.engine import Engine, Generation
+from services.rollout.openai_client import ContextLimit, OpenAIChatClient, history_after_turn
 from shared.bus import dead_letter, decode_or_dead_letter, publish_metrics, read_object
 from shared.config import RolloutConfig
 from shared.envapi import ERROR_CODE_HEADER, ERROR_HEADER, EnvClient, EnvError
@@ -76,10 +80,12 @@ class RolloutWorker:
         self.model_path = model_path  # the base weights a broadcast LoRA adapter is added to
         self.base_weights: dict[str, Any] | None = None
         self.engine, self.tokenizer, self.replica_id = engine, tokenizer, replica_id
-        if engine is None and cfg.engine != "oracle":
+        if engine is None and cfg.engine not in ("oracle", "openai"):
             raise ValueError(f"rollout.engine={cfg.engine!r} needs a model engine")
+        # engine = openai: turns come from an OpenAI-compatible server, in the API's message form
+        self.chat_api = OpenAIChatClient(cfg) if cfg.engine == "openai" else None
         self.rng = random.Random(zlib.crc32(replica_id.encode()))
-        self.turn_sources: dict[str, int] = {"local": 0, "pool": 0, "oracle": 0}
+        self.turn_sources: dict[str, int] = {"local": 0, "pool": 0, "oracle": 0, "openai": 0}
         self.end_of_turn = tokenizer.convert_tokens_to_ids("<|im_end|>")
         self.clients: dict[str, EnvClient] = {}
         self.episodes_done = 0
@@ -175,6 +181,7 @@ class RolloutWorker:
         buf.add(self.tokenizer.encode(opening_text, add_special_tokens=False), None, trainable=False)
         prompt_len = len(buf.tokens)
         reward, status, metrics = 0.0, EpisodeStatus.RUNNING, {}
+        history = list(opening.messages)  # the conversation in the API's form (engine = openai)
         closed = False  # the env session ended (finish, cancel); otherwise we cancel it on the way out
         try:
             for turn in range(opening.max_turns):
@@ -183,15 +190,29 @@ class RolloutWorker:
                     await env.cancel(opening.replica_id, session_id, reason=status)
                     closed = True
                     break
-                gen = await self.next_turn(buf.tokens, job, env, opening.replica_id, session_id)
+                action: dict[str, Any] | None = None
+                if self.chat_api is not None:
+                    try:
+                        async with self._touching(msg):
+                            action = await self.chat_api.complete(history, opening.tools, job.temperature,
+                                                                  job.max_new_tokens)
+                    except ContextLimit:
+                        status = EpisodeStatus.AGENT_CONTEXT_LIMIT
+                        await env.cancel(opening.replica_id, session_id, reason=status)
+                        closed = True
+                        break
+                    gen = self.api_turn(action)
+                else:
+                    async with self._touching(msg):
+                        gen = await self.next_turn(buf.tokens, job, env, opening.replica_id, session_id)
                 start = len(buf.tokens)
                 buf.add(gen.tokens, gen.logprobs, trainable=True)
                 buf.turns.append(TurnInfo(start=start, end=len(buf.tokens), engine_id=gen.engine_id,
                                           policy_version=gen.policy_version))
                 if gen.finish_reason != "stop":  # cut off: close the turn as the template would
                     buf.add([self.end_of_turn], None, trainable=False)
-                text = self.tokenizer.decode(gen.tokens, skip_special_tokens=True)
-                action = parse_assistant(text, turn)
+                if action is None:
+                    action = parse_assistant(self.tokenizer.decode(gen.tokens, skip_special_tokens=True), turn)
                 await self.js.publish(self.subjects.action(job.task, job.episode_id), encode(ActionEvent(
                     episode_id=job.episode_id, task=job.task, turn=turn, replica_id=self.replica_id,
                     engine_id=gen.engine_id, policy_version=gen.policy_version, message=action,
@@ -203,6 +224,8 @@ class RolloutWorker:
                 if msg is not None:
                     await msg.in_progress()  # long episodes are not redelivered while we are alive
                 reward, status, metrics = step.reward, step.status, step.metrics
+                if self.chat_api is not None:
+                    history.extend(history_after_turn(action, step.messages))
                 if step.finish:
                     closed = True
                     break
@@ -226,12 +249,46 @@ class RolloutWorker:
         await self._publish_trajectory(traj)
         return traj
 
+    @contextlib.asynccontextmanager
+    async def _touching(self, msg: Msg | None) -> AsyncIterator[None]:
+        """While a turn is being generated, tell JetStream every third of ``job_ack_wait_s`` that the job is
+        alive: a slow turn (a busy engine, a remote API taking a minute) must not get the job redelivered to
+        another replica, which would play the episode twice."""
+        if msg is None:
+            yield
+            return
+
+        async def touch() -> None:
+            while True:
+                await asyncio.sleep(max(0.2, self.cfg.job_ack_wait_s / 3))
+                try:
+                    await msg.in_progress()
+                except Exception as exc:  # the broker is restarting: the next touch or the turn's end retries
+                    log.warning("job_touch_failed", error=repr(exc))
+
+        task = asyncio.create_task(touch())
+        try:
+            yield
+        finally:
+            task.cancel()
+
     @staticmethod
     async def _cancel_quietly(env: EnvClient, replica_id: str, session_id: str) -> None:
         try:
             await env.cancel(replica_id, session_id, reason="rollout_aborted")
         except Exception as exc:  # the env may be the thing that failed; its reaper cleans up then
             log.warning("env_cancel_failed", session_id=session_id, error=repr(exc))
+
+    def api_turn(self, action: dict[str, Any]) -> Generation:
+        """An API model's turn in the trajectory: its message as our tokenizer writes it, no logprobs, no
+        policy version (like the oracle's turns), the engine id naming the server's model."""
+        self.turn_sources["openai"] += 1
+        try:
+            text = render_tool_call(action)
+        except (ValueError, TypeError, KeyError):  # arguments that are not JSON: keep them as the server sent them
+            text = f"{action.get('content') or ''}\n<tool_call>{json.dumps(action.get('tool_calls'))}</tool_call>"
+        ids = self.tokenizer.encode(text, add_special_tokens=False) + [self.end_of_turn]
+        return Generation(ids, [0.0] * len(ids), "stop", f"openai:{self.cfg.openai_model}", ORACLE_POLICY_VERSION)
 
     async def next_turn(self, tokens: list[int], job: EpisodeJob, env: EnvClient, env_replica: str,
                         session_id: str) -> Generation:
