@@ -10,12 +10,16 @@ import hashlib
 import os
 import socket
 import ssl
+import time
+import weakref
 from typing import Any
 
 import nats
 import structlog
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from nats.errors import ConnectionReconnectingError, NoRespondersError, OutboundBufferLimitError
+from nats.errors import TimeoutError as NatsTimeout
 from nats.js import JetStreamContext
 from nats.js.api import (
     AckPolicy,
@@ -24,11 +28,12 @@ from nats.js.api import (
     DiscardPolicy,
     KeyValueConfig,
     ObjectStoreConfig,
+    PubAck,
     RetentionPolicy,
     StorageType,
     StreamConfig,
 )
-from nats.js.errors import BadRequestError
+from nats.js.errors import BadRequestError, NoStreamResponseError, ServiceUnavailableError
 from nats.js.kv import KeyValue
 from nats.js.object_store import ObjectStore
 
@@ -39,6 +44,13 @@ from shared.subjects import Subjects
 log = structlog.get_logger()
 
 DAY_S = 24 * 3600.0
+
+# When each client last got its connection back (see ``since_reconnect``).
+_RECONNECTED_AT: weakref.WeakKeyDictionary[Client, float] = weakref.WeakKeyDictionary()
+
+# What a publish or request may raise while the server restarts or the client reconnects: worth a retry.
+TRANSIENT = (NatsTimeout, TimeoutError, NoRespondersError, NoStreamResponseError, ServiceUnavailableError,
+             OutboundBufferLimitError, ConnectionReconnectingError)
 
 
 async def connect(cfg: NatsConfig, name: str, url: str | None = None) -> Client:
@@ -60,13 +72,17 @@ async def connect(cfg: NatsConfig, name: str, url: str | None = None) -> Client:
     async def on_disconnected() -> None:
         log.info("nats_disconnected")  # also on a normal close; reconnects are logged as such
 
+    holder: list[Client] = []
+
     async def on_reconnected() -> None:
         log.info("nats_reconnected")
+        if holder:
+            _RECONNECTED_AT[holder[0]] = time.monotonic()
 
     target = url or cfg.url
     if not target:
         raise ValueError("no NATS url: set nats.url or start an embedded server (jetrl up does)")
-    return await nats.connect(
+    nc = await nats.connect(
         target,
         name=name,
         connect_timeout=cfg.connect_timeout_s,
@@ -81,6 +97,59 @@ async def connect(cfg: NatsConfig, name: str, url: str | None = None) -> Client:
         reconnected_cb=on_reconnected,
         **kwargs,
     )
+    holder.append(nc)
+    return nc
+
+
+def since_reconnect(nc: Client) -> float:
+    """Seconds since this client last reconnected (inf if never): right after a server restart the
+    other services may not have resubscribed yet, so 'no responders' then is not yet an answer."""
+    at = _RECONNECTED_AT.get(nc)
+    return float("inf") if at is None else time.monotonic() - at
+
+
+def connection_disrupted(nc: Client, reconnects_before: int, grace_s: float = 15.0) -> bool:
+    """Whether this client lost its connection since ``reconnects_before`` (``nc.stats['reconnects']``
+    then), is reconnecting now, or got back less than ``grace_s`` ago."""
+    return (nc.is_reconnecting or not nc.is_connected or nc.stats["reconnects"] != reconnects_before
+            or since_reconnect(nc) < grace_s)
+
+
+async def publish_retrying(js: JetStreamContext, subject: str, payload: bytes, *, headers: dict[str, str] | None = None,
+                           retry_s: float = 120.0, timeout_s: float = 5.0) -> PubAck:
+    """A JetStream publish that survives a server restart: transient failures (no PubAck in time, no
+    stream responders, JetStream not ready, reconnecting) are retried with backoff for ``retry_s``.
+    Give a ``Nats-Msg-Id`` header: a retry whose first try did land is then dropped by the stream's
+    duplicate window instead of being stored twice."""
+    deadline = time.monotonic() + retry_s
+    delay = 0.25
+    tries = 0
+    while True:
+        tries += 1
+        try:
+            return await js.publish(subject, payload, headers=headers, timeout=timeout_s)
+        except TRANSIENT as exc:
+            if time.monotonic() + delay > deadline:
+                log.error("publish_gave_up", subject=subject, tries=tries, error=repr(exc))
+                raise
+            log.warning("publish_retry", subject=subject, attempt=tries, error=type(exc).__name__)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 2.0)
+
+
+async def retrying(what: str, call: Any, retry_s: float = 60.0) -> Any:
+    """Await ``call()`` (an ack, a KV write...), retrying transient failures for ``retry_s``."""
+    deadline = time.monotonic() + retry_s
+    delay = 0.25
+    while True:
+        try:
+            return await call()
+        except TRANSIENT as exc:
+            if time.monotonic() + delay > deadline:
+                raise
+            log.warning("nats_retry", what=what, error=type(exc).__name__)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 2.0)
 
 
 async def _ensure_stream(js: JetStreamContext, config: StreamConfig) -> None:

@@ -265,7 +265,12 @@ class TrainerConfig:
                                          "that the agent did not write (task, tool results); > 0 teaches a small "
                                          "model from scratch to read and copy from its context")
     group_timeout_s: float = opt(300.0, "an incomplete group older than this is trained on as it is")
-    ack_wait_s: float = opt(600.0, "trajectories held this long without an ack are redelivered")
+    ack_wait_s: float = opt(15.0, "trajectories held this long without an ack or an in_progress heartbeat are "
+                                  "redelivered (the trainer touches what it holds every ack_wait_s / 4, so a "
+                                  "crashed trainer's batch comes back within this)")
+    max_deliver: int = opt(5, "deliveries of one trajectory to the trainer; its last delivery is dead-lettered "
+                              "instead of trained on (a poison message cannot crash the trainer forever)")
+    dedupe_window: int = opt(100000, "episode ids the trainer remembers to drop a duplicate trajectory (bounded)")
     keep_weight_versions: int = opt(3, "weight objects kept in the object store")
     # scale-out (services/trainer/deepspeed_backend.py): launch with torchrun/deepspeed for several ranks
     backend: str = opt("torch", "torch (one process, the default) | deepspeed (ZeRO, several ranks, rank 0 serves)")
@@ -310,6 +315,18 @@ class WarmStartConfig:
 
 
 @dataclass
+class SupervisorConfig:
+    """[supervisor]: how ``jetrl up`` keeps its children alive (issue 16)."""
+
+    restart_backoff_s: float = opt(1.0, "wait before restarting a dead service; doubles with each crash in "
+                                        "crash_window_s, up to restart_backoff_max_s")
+    restart_backoff_max_s: float = opt(30.0, "longest wait before a restart")
+    crash_loop_restarts: int = opt(5, "a service that dies more than this many times within crash_window_s is a "
+                                      "crash loop: the run ends with its last log lines")
+    crash_window_s: float = opt(120.0, "the window crash_loop_restarts counts over")
+
+
+@dataclass
 class JetRLConfig:
     nats: NatsConfig = field(default_factory=NatsConfig)
     run: RunConfig = field(default_factory=RunConfig)
@@ -319,6 +336,7 @@ class JetRLConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     controller: ControllerConfig = field(default_factory=ControllerConfig)
     warmstart: WarmStartConfig = field(default_factory=WarmStartConfig)
+    supervisor: SupervisorConfig = field(default_factory=SupervisorConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -115,6 +115,9 @@ class EnvInteract(Message, tag="env_interact", kw_only=True):
 
     session_id: str
     message: dict[str, Any]
+    turn: int = -1
+    """The turn this message plays (0, 1, ...): a retried request for the same turn (its reply was lost
+    in a NATS reconnect) gets the first reply again instead of running the tool twice. -1 = no dedupe."""
 
 
 class EnvOracle(Message, tag="env_oracle", kw_only=True):
@@ -166,6 +169,8 @@ class EpisodeStatus:
     ENV_ERROR = "env_error"
     CANCELLED = "cancelled"
     TIMEOUT = "timeout"
+    ENV_TIMEOUT = "env_timeout"
+    """A tool call ran past ``env.action_timeout_s``: the episode ends (its tool may still be running)."""
 
 
 # --------------------------------------------------------------------------------------------- #

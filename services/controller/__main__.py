@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import signal
 import socket
 import sys
 from contextlib import AsyncExitStack
@@ -16,6 +15,7 @@ from services.controller.api import create_app
 from services.controller.controller import Controller
 from shared.bus import connect, declare_topology, heartbeat_loop, replica_name
 from shared.config import from_argv
+from shared.lifecycle import close_connection, install_stop
 from shared.log import setup_logging
 from shared.subjects import Subjects
 
@@ -26,8 +26,7 @@ async def main(argv: list[str]) -> None:
     log = setup_logging("controller", replica_id, cfg.run.log_level, cfg.run.log_format)
     subjects = Subjects(cfg.nats.prefix)
     stop = asyncio.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    install_stop(stop, grace_s=8.0)  # gone within 10 s of SIGTERM, NATS or not
 
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -38,7 +37,7 @@ async def main(argv: list[str]) -> None:
     (run_dir / "controller.url").write_text(url + "\n")
     async with AsyncExitStack() as stack:
         nc = await connect(cfg.nats, replica_id)
-        stack.push_async_callback(nc.drain)
+        stack.push_async_callback(close_connection, nc)
         js = nc.jetstream()
         await declare_topology(js, subjects, cfg.nats, cfg.controller.heartbeat_ttl_s)
         controller = Controller(nc, js, subjects, cfg, replica_id)

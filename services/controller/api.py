@@ -19,6 +19,8 @@ def create_app(controller: Controller) -> Litestar:
     policy = Gauge("jetrl_policy_version", "latest published policy version", registry=registry)
     duplicates = Gauge("jetrl_duplicate_trajectories", "trajectories seen twice (deduplicated)", registry=registry)
     trainer = Gauge("jetrl_trainer", "latest trainer metrics", ["name"], registry=registry)
+    restarts = Gauge("jetrl_service_restarts", "restarts of a service by `jetrl up` (service=total: all)",
+                     ["service"], registry=registry)
 
     @get("/status")
     async def status() -> dict[str, Any]:
@@ -38,6 +40,8 @@ def create_app(controller: Controller) -> Litestar:
         duplicates.set(s["duplicate_trajectories"])
         for name, value in s["trainer"].items():
             trainer.labels(name).set(value)
+        for service, count in s["service_restarts"].items():
+            restarts.labels(service).set(count)
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     return Litestar([status, metrics])

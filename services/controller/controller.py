@@ -330,6 +330,9 @@ class Controller:
                 "mean_reward": book.reward_sum / book.finished if book.finished else 0.0,
             }
         trainer = {k.split("/", 1)[1]: v.values for k, v in self.latest_metrics.items() if k.startswith("trainer/")}
+        # `jetrl up` reports the services it restarted (role "supervisor"): service -> restarts
+        supervisor = next((v.values for k, v in self.latest_metrics.items() if k.startswith("supervisor/")), {})
+        restarts = {k.split("/", 1)[1]: int(v) for k, v in supervisor.items() if k.startswith("restarts/")}
         return {
             "state": self.state, "policy_version": self.policy_version, "target_steps": self.cfg.trainer.steps,
             "episodes_published": sum(b.published for b in self.books.values()),
@@ -337,4 +340,5 @@ class Controller:
             "duplicate_trajectories": self.duplicates, "episodes_lost": self.lost, "groups_published": self.groups_published,
             "uptime_s": round(time.time() - self.started_at, 1), "tasks": tasks,
             "trainer": next(iter(trainer.values()), {}), "replicas": self.replicas,
+            "service_restarts": restarts,
         }

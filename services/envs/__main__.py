@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import importlib
-import signal
 import sys
 from contextlib import AsyncExitStack
 
 from services.envs.host import EnvHost
 from shared.bus import connect, declare_topology, heartbeat_loop, replica_name
 from shared.config import from_argv
+from shared.lifecycle import close_connection, install_stop
 from shared.log import setup_logging
 from shared.subjects import Subjects, check_token
 
@@ -34,13 +34,12 @@ async def main(argv: list[str]) -> None:
     log = setup_logging(f"env-{task}", replica_id, cfg.run.log_level, cfg.run.log_format)
     subjects = Subjects(cfg.nats.prefix)
     stop = asyncio.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    install_stop(stop, grace_s=8.0)  # gone within 10 s of SIGTERM, NATS or not
 
     env = importlib.import_module(TASK_MODULES[task]).make_env(cfg.env)
     async with AsyncExitStack() as stack:
         nc = await connect(cfg.nats, replica_id)
-        stack.push_async_callback(nc.drain)
+        stack.push_async_callback(close_connection, nc)
         js = nc.jetstream()
         await declare_topology(js, subjects, cfg.nats, cfg.controller.heartbeat_ttl_s)
         host = EnvHost(env, cfg.env, subjects, replica_id)

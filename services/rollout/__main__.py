@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
 import sys
 from contextlib import AsyncExitStack
 
@@ -13,6 +12,7 @@ from services.rollout.engine import HFEngine
 from services.rollout.worker import RolloutWorker
 from shared.bus import connect, declare_topology, heartbeat_loop, replica_name
 from shared.config import from_argv
+from shared.lifecycle import close_connection, install_stop
 from shared.log import setup_logging
 from shared.model import load_tokenizer, quiet_transformers, resolve_model
 from shared.subjects import Subjects
@@ -24,8 +24,7 @@ async def main(argv: list[str]) -> None:
     log = setup_logging("rollout", replica_id, cfg.run.log_level, cfg.run.log_format)
     subjects = Subjects(cfg.nats.prefix)
     stop = asyncio.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    install_stop(stop, grace_s=8.0)  # gone within 10 s of SIGTERM, NATS or not
 
     quiet_transformers()
     model_path = await asyncio.to_thread(resolve_model, cfg.model)
@@ -55,7 +54,7 @@ async def main(argv: list[str]) -> None:
         if engine is not None:
             stack.callback(engine.close)
         nc = await connect(cfg.nats, replica_id)
-        stack.push_async_callback(nc.drain)
+        stack.push_async_callback(close_connection, nc)
         js = nc.jetstream()
         await declare_topology(js, subjects, cfg.nats, cfg.controller.heartbeat_ttl_s)
         worker = RolloutWorker(nc, js, subjects, cfg.rollout, engine, tokenizer, replica_id, model_path)

@@ -95,27 +95,30 @@ def render_observation(messages: list[dict[str, Any]]) -> str:
 
 def parse_assistant(text: str, turn: int) -> dict[str, Any]:
     """OpenAI-format assistant message from generated text. A ``<tool_call>`` whose JSON is broken is
-    passed on as ``invalid_tool_call`` so the env answers with a clear error observation."""
-    match = TOOL_CALL.search(text)
+    passed on as ``invalid_tool_call`` so the env answers with a clear error observation; several
+    ``<tool_call>``s are all passed on, and the env refuses them with an error that says so."""
+    matches = TOOL_CALL.findall(text)
     content = TOOL_CALL.sub("", text).strip()
     message: dict[str, Any] = {"role": "assistant", "content": content}
-    if match is None:
-        return message
-    raw = match.group(1).strip()
-    try:
-        call = json.loads(raw)
-    except json.JSONDecodeError as exc:
-        message["invalid_tool_call"] = f"the text inside <tool_call> is not valid JSON ({exc.msg} at char {exc.pos})"
-        return message
-    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-        message["invalid_tool_call"] = 'expected {"name": <function-name>, "arguments": {...}} inside <tool_call>'
-        return message
-    arguments = call.get("arguments", {})
-    message["tool_calls"] = [{
-        "id": f"call_{turn}", "type": "function",
-        "function": {"name": call["name"],
-                     "arguments": arguments if isinstance(arguments, str) else json.dumps(arguments)},
-    }]
+    calls = []
+    for k, raw in enumerate(matches):
+        where = f"tool call {k + 1} of {len(matches)}: " if len(matches) > 1 else ""
+        try:
+            call = json.loads(raw.strip())
+        except json.JSONDecodeError as exc:
+            message["invalid_tool_call"] = f"{where}the text inside <tool_call> is not valid JSON ({exc.msg} at char {exc.pos})"
+            return message
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            message["invalid_tool_call"] = f'{where}expected {{"name": <function-name>, "arguments": {{...}}}} inside <tool_call>'
+            return message
+        arguments = call.get("arguments", {})
+        calls.append({
+            "id": f"call_{turn}" if k == 0 else f"call_{turn}_{k}", "type": "function",
+            "function": {"name": call["name"],
+                         "arguments": arguments if isinstance(arguments, str) else json.dumps(arguments)},
+        })
+    if calls:
+        message["tool_calls"] = calls
     return message
 
 
