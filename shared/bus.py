@@ -98,7 +98,17 @@ async def connect(cfg: NatsConfig, name: str, url: str | None = None) -> Client:
         **kwargs,
     )
     holder.append(nc)
+    if nc.max_payload < MAX_MESSAGE_BYTES:  # a stock server allows 1 MiB: a trajectory or weights chunk would fail later
+        await nc.close()
+        raise NatsPayloadError(
+            f"nats-server at {target} allows messages of {nc.max_payload} bytes, JetRL sends up to "
+            f"{MAX_MESSAGE_BYTES} (shared.messages.MAX_MESSAGE_BYTES): start it with "
+            f"--max_payload {MAX_MESSAGE_BYTES + 64 * 1024} (or max_payload in its config file)")
     return nc
+
+
+class NatsPayloadError(RuntimeError):
+    """The server's max_payload is below what JetRL's codec may send."""
 
 
 def since_reconnect(nc: Client) -> float:
@@ -171,20 +181,21 @@ async def declare_topology(js: JetStreamContext, subjects: Subjects, cfg: NatsCo
     ))
     await _ensure_stream(js, StreamConfig(
         name=subjects.episodes_stream, subjects=subjects.episode_stream_subjects,
-        retention=RetentionPolicy.LIMITS, storage=StorageType.FILE, max_age=7 * DAY_S,
-        discard=DiscardPolicy.OLD, num_replicas=replicas,
+        retention=RetentionPolicy.LIMITS, storage=StorageType.FILE, max_age=cfg.episodes_max_age_s,
+        max_bytes=cfg.episodes_max_bytes, discard=DiscardPolicy.OLD, num_replicas=replicas,
+        duplicate_window=120.0,  # an event resent across a reconnect carries the same Nats-Msg-Id
         description="every action and observation of every episode, in order",
     ))
     await _ensure_stream(js, StreamConfig(
         name=subjects.traj_stream, subjects=[subjects.traj(">")], retention=RetentionPolicy.LIMITS,
-        storage=StorageType.FILE, max_age=7 * DAY_S,
+        storage=StorageType.FILE, max_age=cfg.traj_max_age_s, max_bytes=cfg.traj_max_bytes, discard=DiscardPolicy.OLD,
         duplicate_window=3600.0, max_msg_size=MAX_MESSAGE_BYTES, num_replicas=replicas,
         description="finished trajectories, deduplicated by episode id (Nats-Msg-Id)",
     ))
     await _ensure_stream(js, StreamConfig(
         name=subjects.dlq_stream, subjects=[subjects.dead_letter(">")], retention=RetentionPolicy.LIMITS,
-        storage=StorageType.FILE, max_age=7 * DAY_S, num_replicas=replicas,
-        description="messages a service could not accept, with the reason",
+        storage=StorageType.FILE, max_age=7 * DAY_S, max_bytes=cfg.dlq_max_bytes, discard=DiscardPolicy.OLD,
+        num_replicas=replicas, description="messages a service could not accept, with the reason",
     ))
     for kv_config in (
         KeyValueConfig(bucket=subjects.policy_kv, history=16, replicas=replicas,

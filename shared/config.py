@@ -46,6 +46,12 @@ class NatsConfig:
     tls_key: str = opt("", "client key for mutual TLS")
     connect_timeout_s: float = opt(5.0, "seconds to wait for one connection attempt")
     stream_replicas: int = opt(1, "JetStream replicas per stream (3 on a clustered server)")
+    # bounds of the streams that grow with the run (issue 16): the oldest messages go first
+    traj_max_age_s: float = opt(7 * 86400.0, "TRAJ keeps trajectories this long")
+    traj_max_bytes: int = opt(4 * 1024**3, "TRAJ holds at most this many bytes (-1 = no bound)")
+    episodes_max_age_s: float = opt(7 * 86400.0, "EPISODES keeps action/observation events this long")
+    episodes_max_bytes: int = opt(4 * 1024**3, "EPISODES holds at most this many bytes (-1 = no bound)")
+    dlq_max_bytes: int = opt(1024**3, "DLQ holds at most this many bytes (-1 = no bound)")
 
 
 @dataclass
@@ -272,6 +278,7 @@ class TrainerConfig:
                               "instead of trained on (a poison message cannot crash the trainer forever)")
     dedupe_window: int = opt(100000, "episode ids the trainer remembers to drop a duplicate trajectory (bounded)")
     keep_weight_versions: int = opt(3, "weight objects kept in the object store")
+    keep_checkpoints: int = opt(3, "newest checkpoints kept in <run>/checkpoints (0 = all)")
     # scale-out (services/trainer/deepspeed_backend.py): launch with torchrun/deepspeed for several ranks
     backend: str = opt("torch", "torch (one process, the default) | deepspeed (ZeRO, several ranks, rank 0 serves)")
     zero_stage: int = opt(2, "deepspeed: ZeRO stage 1 | 2 | 3 (3 gathers full weights for each broadcast)")

@@ -55,3 +55,22 @@ async def close_connection(nc: Client, timeout_s: float = 3.0) -> None:
         await asyncio.wait_for(nc.close(), timeout_s)
     except Exception as exc:
         log.info("close_failed", error=type(exc).__name__)
+
+
+_failures: list[str] = []
+
+
+async def stop_if_connection_closed(nc: Client, stop: asyncio.Event, every_s: float = 1.0) -> None:
+    """A connection the server closed (it refused something we sent) never comes back by itself:
+    stop the service with a failure exit code, so that whoever supervises it starts a fresh one."""
+    while not stop.is_set():
+        await asyncio.sleep(every_s)
+        if nc.is_closed and not stop.is_set():
+            log.error("nats_connection_closed", detail="the server closed the connection; exiting to be restarted")
+            _failures.append("nats connection closed")
+            stop.set()
+
+
+def exit_code() -> int:
+    """0, or 1 when the service stopped because it failed (see ``stop_if_connection_closed``)."""
+    return 1 if _failures else 0

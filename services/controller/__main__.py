@@ -15,7 +15,7 @@ from services.controller.api import create_app
 from services.controller.controller import Controller
 from shared.bus import connect, declare_topology, heartbeat_loop, replica_name
 from shared.config import from_argv
-from shared.lifecycle import close_connection, install_stop
+from shared.lifecycle import close_connection, exit_code, install_stop, stop_if_connection_closed
 from shared.log import setup_logging
 from shared.subjects import Subjects
 
@@ -38,6 +38,8 @@ async def main(argv: list[str]) -> None:
     async with AsyncExitStack() as stack:
         nc = await connect(cfg.nats, replica_id)
         stack.push_async_callback(close_connection, nc)
+        watch = asyncio.create_task(stop_if_connection_closed(nc, stop))
+        stack.callback(watch.cancel)
         js = nc.jetstream()
         await declare_topology(js, subjects, cfg.nats, cfg.controller.heartbeat_ttl_s)
         controller = Controller(nc, js, subjects, cfg, replica_id)
@@ -69,3 +71,4 @@ async def main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     asyncio.run(main(sys.argv[1:]))
+    sys.exit(exit_code())

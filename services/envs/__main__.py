@@ -10,7 +10,7 @@ from contextlib import AsyncExitStack
 from services.envs.host import EnvHost
 from shared.bus import connect, declare_topology, heartbeat_loop, replica_name
 from shared.config import from_argv
-from shared.lifecycle import close_connection, install_stop
+from shared.lifecycle import close_connection, exit_code, install_stop, stop_if_connection_closed
 from shared.log import setup_logging
 from shared.subjects import Subjects, check_token
 
@@ -40,6 +40,8 @@ async def main(argv: list[str]) -> None:
     async with AsyncExitStack() as stack:
         nc = await connect(cfg.nats, replica_id)
         stack.push_async_callback(close_connection, nc)
+        watch = asyncio.create_task(stop_if_connection_closed(nc, stop))
+        stack.callback(watch.cancel)
         js = nc.jetstream()
         await declare_topology(js, subjects, cfg.nats, cfg.controller.heartbeat_ttl_s)
         host = EnvHost(env, cfg.env, subjects, replica_id)
@@ -57,3 +59,4 @@ async def main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     asyncio.run(main(sys.argv[1:]))
+    sys.exit(exit_code())

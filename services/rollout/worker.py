@@ -307,6 +307,20 @@ class RolloutWorker:
         self.turn_sources["local"] += 1
         return await self.engine.generate(tokens, job.max_new_tokens, job.temperature)
 
+    def _check_generate(self, req: GenerateRequest) -> str | None:
+        """Bounds the schema cannot know: token ids this tokenizer has, a context the engine can hold."""
+        vocab = len(self.tokenizer)
+        if not req.prompt:
+            return "generate_request.prompt: empty"
+        if max(req.prompt) >= vocab:
+            return f"generate_request.prompt: token id {max(req.prompt)} is outside the vocabulary ({vocab})"
+        if not 0 < req.max_new_tokens <= self.cfg.max_context_tokens - len(req.prompt):
+            return (f"generate_request.max_new_tokens: {req.max_new_tokens} does not fit the context "
+                    f"({len(req.prompt)} prompt tokens of {self.cfg.max_context_tokens})")
+        if not 0.0 <= req.temperature <= 10.0 or req.temperature != req.temperature:
+            return f"generate_request.temperature: {req.temperature} is outside [0, 10]"
+        return None
+
     async def serve_pool(self) -> Any:
         """Offer this replica's engine to the pool: requests from any replica, one turn each."""
         assert self.engine is not None
@@ -316,6 +330,10 @@ class RolloutWorker:
             async def run() -> None:
                 try:
                     req = decode(request.data, GenerateRequest)
+                    problem = self._check_generate(req)
+                    if problem:  # a hostile request must not reach the engine's shared batch
+                        await request.respond_error("400", problem)
+                        return
                     g = await engine.generate(req.prompt, req.max_new_tokens, req.temperature)
                     await request.respond(encode(GenerateReply(tokens=g.tokens, logprobs=g.logprobs,
                                                                finish_reason=g.finish_reason, engine_id=g.engine_id,

@@ -12,6 +12,7 @@ import asyncio
 import copy
 import json
 import math
+import shutil
 import time
 from collections import OrderedDict, defaultdict
 from collections.abc import Iterator
@@ -33,7 +34,7 @@ from services.trainer.packing import PackedBatch, pack, packed_logprobs, plan_mi
 from shared.bus import dead_letter, decode_or_dead_letter, publish_metrics, retrying
 from shared.config import TrainerConfig
 from shared.lm import PackedLM
-from shared.messages import EpisodeStatus, Trajectory, WeightsAnnouncement, encode
+from shared.messages import EpisodeStatus, Trajectory, WeightsAnnouncement, decode, encode
 from shared.model import (
     add_lora,
     bytes_to_weights,
@@ -92,6 +93,7 @@ class Trainer:
         self.vocab_size = _vocab_size(model)
         self.counters: dict[str, float] = {"train/dead_lettered": 0.0, "train/nonfinite_skipped": 0.0}
         self._step_nonfinite = False
+        self._stepped = False  # the optimizer really stepped in this training step
         self.metrics_file = run_dir / "metrics.jsonl"
         # KL needs the policy we started from, frozen: with LoRA that is the model with its adapter off.
         self.ref_model = copy.deepcopy(model).eval().requires_grad_(False) if cfg.kl_coef > 0 and not self.lora \
@@ -138,9 +140,50 @@ class Trainer:
         state = torch.load(latest / "trainer_state.pt", weights_only=False)
         self.optimizer.load_state_dict(state["optimizer"])
         self.step = int(state["step"])
-        self.policy_version = int(state.get("policy_version", self.step))
+        self.policy_version = max(int(state.get("policy_version", self.step)), self.recorded_version())
         log.info("trainer_resumed", checkpoint=str(latest), step=self.step, policy_version=self.policy_version)
         return True
+
+    def prune_checkpoints(self) -> None:
+        """Keep the newest ``trainer.keep_checkpoints`` (0 = all): a long run does not fill the disk."""
+        keep = self.cfg.keep_checkpoints
+        if keep <= 0:
+            return
+        for old in sorted((self.run_dir / "checkpoints").glob("step_*"))[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    # ------------------------------------------------------------------ versions
+    @property
+    def version_file(self) -> Path:
+        return self.run_dir / "policy_version"
+
+    def recorded_version(self) -> int:
+        """The highest version this run ever went to announce (0 = none)."""
+        try:
+            return int(self.version_file.read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            return 0
+
+    def record_version(self, version: int) -> None:
+        """Written (atomically) before version ``version`` is published."""
+        tmp = self.version_file.with_suffix(".tmp")
+        tmp.write_text(f"{version}\n")
+        tmp.replace(self.version_file)
+
+    async def adopt_announced_version(self) -> None:
+        """Resume above the highest version ever announced: the policy KV's (another trainer's, or ours
+        announced after our last checkpoint) and our own record, whichever is higher."""
+        announced = 0
+        try:
+            kv = await self.js.key_value(self.subjects.policy_kv)
+            entry = await kv.get(self.subjects.policy_version_key)
+            announced = decode(entry.value or b"", WeightsAnnouncement).version
+        except Exception as exc:  # no version yet, or an unreadable entry: our own record still holds
+            log.info("no_announced_version", detail=type(exc).__name__)
+        highest = max(self.policy_version, self.recorded_version(), announced)
+        if highest != self.policy_version:
+            log.info("policy_version_raised", checkpoint_version=self.policy_version, to=highest)
+            self.policy_version = highest
 
     # ------------------------------------------------------------------ intake
     async def subscribe(self) -> JetStreamContext.PullSubscription:
@@ -263,18 +306,23 @@ class Trainer:
         started = time.monotonic()
         trajs = [t for g in groups for t, _ in g.items.values()]
         self.in_step = [m for g in groups for _, m in g.items.values()]
-        self._step_nonfinite = False
+        self._step_nonfinite = self._stepped = False
         stats = await asyncio.to_thread(self._optimise, trajs)
         self.step += 1
-        updated = not self._step_nonfinite
-        if updated:  # a skipped (non-finite) step changed nothing: no new version, nothing to publish
-            self.policy_version = self.step
+        # A version names one set of weights forever: a new one only after a real optimizer step (a batch
+        # without signal or with a non-finite loss changed nothing), and recorded before it is announced,
+        # so a trainer restarted from an older checkpoint never announces the same number again.
+        updated = self._stepped and not self._step_nonfinite
+        if updated:
+            self.policy_version += 1
+            self.record_version(self.policy_version)
         # SFT plays the envs' oracles: no engine reads the weights until the run's model is exported
         publish_s = await self.publish_weights() if self.cfg.mode == "rl" and updated else 0.0
         if self.cfg.checkpoint_every and self.step % self.cfg.checkpoint_every == 0 or self.step == self.cfg.steps:
             await asyncio.to_thread(save_checkpoint, self.trained_weights(), self.optimizer, self.step,
                                     self.run_dir / "checkpoints" / f"step_{self.step:06d}",
                                     {"policy_version": self.policy_version})
+            await asyncio.to_thread(self.prune_checkpoints)
         for g in groups:
             for _, msg in g.items.values():
                 try:
@@ -476,6 +524,7 @@ class Trainer:
             self._skip_nonfinite(f"gradient norm {grad_norm}")
             return 0.0
         self.optimizer.step()
+        self._stepped = True
         return grad_norm
 
     def _skip_nonfinite(self, what: str) -> None:
@@ -495,11 +544,13 @@ class Trainer:
         name = self.subjects.weights_object(self.policy_version)
         # 1 MiB chunks: ~1.6x the put rate and faster reads than nats-py's 128 KiB default
         # (docs/benchmarks/scale_out.md); well under the server's max_payload.
-        await store.put(name, data, meta=ObjectMeta(name=name, options=ObjectMetaOptions(max_chunk_size=1024 * 1024)))
+        meta = ObjectMeta(name=name, options=ObjectMetaOptions(max_chunk_size=1024 * 1024))
+        # retried across a NATS restart: a put again replaces the object, the KV write and announcement repeat
+        await retrying("weights_put", lambda: store.put(name, data, meta=meta))
         note = WeightsAnnouncement(version=self.policy_version, object_name=name, digest=digest(data), size=len(data),
                                    dtype=self.cfg.broadcast_dtype, format="lora" if self.lora else "full")
         kv = await self.js.key_value(self.subjects.policy_kv)
-        await kv.put(self.subjects.policy_version_key, encode(note))
+        await retrying("policy_kv_put", lambda: kv.put(self.subjects.policy_version_key, encode(note)))
         await self.nc.publish(self.subjects.weights_published, encode(note))
         old = self.policy_version - self.cfg.keep_weight_versions
         if old >= 1:
