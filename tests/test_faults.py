@@ -116,8 +116,13 @@ async def account(run_dir: Path, prefix: str) -> dict[str, object]:
         nc = await connect(cfg.nats, "audit", url=url)
         js = nc.jetstream()
         jobs_info = await js.stream_info(subjects.jobs_stream)
-        queued = [decode(d, EpisodeJob).episode_id
-                  for d in await stream_messages(nc, subjects.jobs_stream, subjects.jobs(">"))]
+        queued = []  # a work-queue stream takes no ordered consumer: read what is left message by message
+        if jobs_info.state.messages:
+            for seq in range(jobs_info.state.first_seq, jobs_info.state.last_seq + 1):
+                try:
+                    queued.append(decode((await js.get_msg(subjects.jobs_stream, seq)).data, EpisodeJob).episode_id)
+                except Exception:  # acked and removed
+                    pass
         raw_trajs = await stream_messages(nc, subjects.traj_stream, subjects.traj(">"))
         trajs = [decode(d, Trajectory) for d in raw_trajs]
         letters = [decode(d, DeadLetter) for d in await stream_messages(nc, subjects.dlq_stream,
@@ -393,7 +398,8 @@ def test_ten_thousand_malformed_messages_crash_nothing_a_poison_trajectory_is_de
                    "sigterm_exit_s": quit_s}
         print(json.dumps(figures))
         (tmp_path.parent / "faults-flood.json").write_text(json.dumps(figures))
-        assert all(s <= 10.0 for s in quit_s.values()), quit_s
+        # the trainer finishes the step it is in and saves <run>/model first: it has longer
+        assert all(s <= 10.0 for name, s in quit_s.items() if name != "trainer") and quit_s["trainer"] <= 60, quit_s
         assert answered["coded"] >= 0.9 * sum(n for s, n in counts.items() if ".env." in s)
     finally:
         for p in procs.values():

@@ -201,3 +201,132 @@ def test_a_non_finite_loss_skips_the_step_and_is_counted(tiny_model: Any, tmp_pa
     assert trainer.counters["train/nonfinite_skipped"] == 1
     for name, value in model.named_parameters():
         assert torch.equal(value.nan_to_num(), before[name].nan_to_num()), name  # no optimizer step
+
+
+async def test_versions_only_go_up_across_a_restart_and_are_recorded_before_they_are_announced(
+        nc, config, subjects, tiny_model: Any, tmp_path: Path) -> None:
+    import copy
+
+    from shared.messages import WeightsAnnouncement
+
+    config.trainer.kl_coef, config.trainer.steps = 0.01, 100  # every step a real optimizer step
+    config.trainer.checkpoint_every = 0  # the crash case: announced, no checkpoint written yet
+    trainer = Trainer(nc, nc.jetstream(), subjects, config.trainer, copy.deepcopy(tiny_model), tmp_path, "t")
+    # another trainer (or ours, after its last checkpoint) announced version 12
+    kv = await nc.jetstream().key_value(subjects.policy_kv)
+    await kv.put(subjects.policy_version_key, encode(WeightsAnnouncement(version=12, object_name="o", digest="d",
+                                                                         size=1, dtype="float32")))
+    await trainer.adopt_announced_version()
+    assert trainer.policy_version == 12
+    announced: list[int] = []
+
+    async def on_weights(msg: Any) -> None:
+        announced.append(decode(msg.data, WeightsAnnouncement).version)
+        assert trainer.recorded_version() >= announced[-1]  # recorded before it went out
+
+    await nc.subscribe(subjects.weights_published, cb=on_weights)
+    from services.trainer.trainer import Group
+
+    group = Group("g", 2)
+    for i in range(2):
+        group.items[f"e{i}"] = (traj([1, 2, 3, 4], [0, 0, 1, 1], [(2, 4)], episode_id=f"e{i}", reward=float(i)), _NoAck())
+    await trainer.train_step([group])
+    await nc.flush()
+    await asyncio.sleep(0.2)
+    assert trainer.policy_version == 13 and announced == [13] and trainer.recorded_version() == 13
+    # a trainer restarted without (or from an older) checkpoint continues above what was announced, even
+    # with the KV gone: its own record holds
+    fresh = Trainer(nc, nc.jetstream(), subjects, config.trainer, copy.deepcopy(tiny_model), tmp_path, "t2")
+    assert not fresh.resume() and fresh.policy_version == 0
+    await kv.delete(subjects.policy_version_key)
+    await fresh.adopt_announced_version()
+    assert fresh.policy_version == 13
+
+
+class _NoAck:
+    """A stand-in delivery for train_step's acks (the trajectories here never went through a stream)."""
+
+    metadata = None
+
+    async def ack(self) -> None:
+        return None
+
+    async def in_progress(self) -> None:
+        return None
+
+
+def test_a_server_with_a_smaller_max_payload_is_refused_at_connect(tmp_path: Path) -> None:
+    import socket
+    import subprocess
+
+    from shared.bus import NatsPayloadError
+    from shared.natsd import find_nats_server
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    stock = subprocess.Popen([find_nats_server(), "-a", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
+    try:
+        async def attempt() -> None:
+            for _ in range(50):
+                try:
+                    await connect(JetRLConfig().nats, "payload", url=f"nats://127.0.0.1:{port}")
+                except NatsPayloadError:
+                    raise
+                except Exception:
+                    await asyncio.sleep(0.1)
+
+        with pytest.raises(NatsPayloadError, match="--max_payload"):
+            asyncio.run(attempt())
+    finally:
+        stock.terminate()
+        stock.wait()
+
+
+def test_a_fresh_jetrl_up_keeps_the_earlier_run_and_resume_keeps_it_in_place(tmp_path: Path) -> None:
+    from jetrl.cli import _keep_earlier_run
+
+    run = tmp_path / "latest"
+    (run / "checkpoints" / "step_000003").mkdir(parents=True)
+    (run / "config.toml").write_text("")
+    _keep_earlier_run(run, "up")
+    assert not run.exists()
+    kept = [p for p in tmp_path.iterdir() if p.name.startswith("latest-")]
+    assert len(kept) == 1 and (kept[0] / "checkpoints" / "step_000003").is_dir()
+    run.mkdir()
+    _keep_earlier_run(run, "up")  # an empty directory (or one without a run) is used as it is
+    assert run.is_dir()
+
+
+async def test_a_job_out_of_deliveries_becomes_a_dead_letter_and_an_env_error_trajectory(
+        nc, config, subjects) -> None:
+    """Every replica that took the job died (here: fetched it and never answered); after the last
+    delivery the server's advisory reaches a live replica, which completes the episode's group."""
+    from services.rollout.worker import MAX_DELIVER, RolloutWorker
+    from shared.messages import DeadLetter, EpisodeJob
+    from shared.model import load_tokenizer
+
+    config.rollout.engine, config.rollout.job_ack_wait_s = "oracle", 0.5
+    js = nc.jetstream()
+    tokenizer = load_tokenizer(resolve_model(ModelConfig()))
+    worker = RolloutWorker(nc, js, subjects, config.rollout, None, tokenizer, "rollout-test")
+    jobs = await worker.subscribe_jobs()  # the shared consumer, max_deliver 5
+    await worker.handle_exhausted_jobs()
+    job = EpisodeJob(episode_id="g-lost-0", group_id="g-lost", task="db", task_id="t", group_size=2)
+    await js.publish(subjects.jobs("db"), encode(job))
+    for _ in range(MAX_DELIVER):  # a replica takes it and dies, five times
+        (msg,) = await jobs.fetch(1, timeout=10.0)
+        assert decode(msg.data, EpisodeJob).episode_id == "g-lost-0"
+    trajectories = await js.subscribe(subjects.traj(">"), ordered_consumer=True)
+    stored = decode((await trajectories.next_msg(timeout=20.0)).data, Trajectory)
+    assert (stored.episode_id, stored.group_id, stored.status, stored.group_size) == ("g-lost-0", "g-lost",
+                                                                                        "env_error", 2)
+    letters = await js.subscribe(subjects.dead_letter(">"), ordered_consumer=True)
+    letter = decode((await letters.next_msg(timeout=5.0)).data, DeadLetter)
+    assert "ran out of its 5 deliveries" in letter.reason and decode(letter.payload, EpisodeJob) == job
+    for _ in range(20):  # and it is gone from the work queue
+        if (await js.stream_info(subjects.jobs_stream)).state.messages == 0:
+            break
+        await asyncio.sleep(0.1)
+    assert (await js.stream_info(subjects.jobs_stream)).state.messages == 0

@@ -249,6 +249,12 @@ class Controller:
                 msgs = await sub.fetch(128, timeout=1.0)
             except (TimeoutError, NatsTimeout):
                 continue
+            except Exception as exc:  # broker restarting: wait and read on (a closed connection ends the service)
+                if self.nc.is_closed:
+                    return
+                log.warning("trajectory_fetch_failed", error=repr(exc))
+                await asyncio.sleep(0.5)
+                continue
             for msg in msgs:  # a bad one is dead-lettered and terminated by the shared helper
                 traj = await decode_or_dead_letter(self.js, self.subjects, "controller", msg, Trajectory)
                 if traj is not None:
