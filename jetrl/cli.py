@@ -30,8 +30,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -64,7 +63,8 @@ class Child:
     module_args: list[str]
     overrides: list[str]
     restarts: int = 0
-    crashes: deque[float] = field(default_factory=deque)  # monotonic times of recent deaths
+    started_at: float = 0.0  # monotonic time of its latest start
+    failing: int = 0  # deaths in a row, each within crash_window_s of its start
     restart_at: float | None = None  # dead, waiting for its backoff to pass
     last_rc: int | None = None
 
@@ -75,7 +75,7 @@ class CrashLoop(RuntimeError):
 
 class Supervisor:
     """Starts every service and keeps it alive: a dead service is restarted after a backoff (doubling
-    with each death in ``supervisor.crash_window_s``), logged and counted (``<run>/restarts.json``,
+    with each death in a row), logged and counted (``<run>/restarts.json``,
     and the controller's /status and /metrics through a ``supervisor`` metrics report); only a crash
     loop ends the run. With an embedded nats-server, a dead server is restarted on the same port and
     store, so every client's reconnect finds it again."""
@@ -85,7 +85,7 @@ class Supervisor:
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.children: dict[str, Child] = {}
         self.nats = nats
-        self.nats_crashes: deque[float] = deque()
+        self.nats_child = Child([], [], started_at=time.monotonic())
         self.restarts: dict[str, int] = {}
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
 
@@ -95,6 +95,7 @@ class Supervisor:
         if child.restarts:
             log.write(f"=== jetrl up: restart {child.restarts} of {name} (last exit {child.last_rc}) ===\n".encode())
             log.flush()
+        child.started_at = time.monotonic()
         cmd = [sys.executable, "-m", *child.module_args, "--config", str(self.config_path), *child.overrides]
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         self.procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
@@ -112,18 +113,19 @@ class Supervisor:
         now = time.monotonic()
         done: list[str] = []
         if self.nats is not None and self.nats.proc is not None and self.nats.proc.poll() is not None:
-            self._crashed("nats-server", self.nats.proc.returncode, now)
+            self._crashed("nats-server", self.nats_child, self.nats.proc.returncode, now)
             self.nats.port = int(self.nats.url.rsplit(":", 1)[1])  # same port: clients reconnect to their URL
             self.nats.start()
+            self.nats_child.started_at = time.monotonic()
             done.append(self._count("nats-server"))
         for name, proc in self.procs.items():
             child = self.children.get(name)
             if child is None or name == finished or proc.poll() is None:
                 continue
             if child.restart_at is None:  # a new death
-                self._crashed(name, proc.returncode, now)
+                self._crashed(name, child, proc.returncode, now)
                 child.last_rc = proc.returncode
-                backoff = min(s.restart_backoff_s * 2 ** (len(child.crashes) - 1), s.restart_backoff_max_s)
+                backoff = min(s.restart_backoff_s * 2 ** (child.failing - 1), s.restart_backoff_max_s)
                 child.restart_at = now + backoff
                 print(f"jetrl up: {name} exited with {proc.returncode}; restarting it in {backoff:.1f}s "
                       f"(see {self.run_dir / 'logs' / (name + '.log')})", file=sys.stderr, flush=True)
@@ -134,14 +136,15 @@ class Supervisor:
                 done.append(self._count(name))
         return done
 
-    def _crashed(self, name: str, rc: int | None, now: float) -> None:
-        crashes = self.children[name].crashes if name in self.children else self.nats_crashes
-        crashes.append(now)
-        while crashes and crashes[0] < now - self.cfg.supervisor.crash_window_s:
-            crashes.popleft()
-        if len(crashes) > self.cfg.supervisor.crash_loop_restarts:
-            raise CrashLoop(f"{name} died {len(crashes)} times within {self.cfg.supervisor.crash_window_s:g}s "
-                            f"(last exit code {rc}): giving up the run.\n{self.last_log_lines(name)}")
+    def _crashed(self, name: str, child: Child, rc: int | None, now: float) -> None:
+        """A death. One that comes soon after a start (within crash_window_s: it never got going, say a
+        broken config or a model that does not load) adds to a run of failures; one after a longer life
+        starts a new run. Too long a run of failures is a crash loop."""
+        s = self.cfg.supervisor
+        child.failing = child.failing + 1 if now - child.started_at < s.crash_window_s else 1
+        if child.failing > s.crash_loop_restarts:
+            raise CrashLoop(f"{name} died {child.failing} times in a row, each within {s.crash_window_s:g}s of "
+                            f"its start (last exit code {rc}): giving up the run.\n{self.last_log_lines(name)}")
 
     def _count(self, name: str) -> str:
         self.restarts[name] = self.restarts.get(name, 0) + 1

@@ -325,12 +325,14 @@ class WarmStartConfig:
 class SupervisorConfig:
     """[supervisor]: how ``jetrl up`` keeps its children alive (issue 16)."""
 
-    restart_backoff_s: float = opt(1.0, "wait before restarting a dead service; doubles with each crash in "
-                                        "crash_window_s, up to restart_backoff_max_s")
+    restart_backoff_s: float = opt(1.0, "wait before restarting a dead service; doubles with each death in a row, "
+                                        "up to restart_backoff_max_s")
     restart_backoff_max_s: float = opt(30.0, "longest wait before a restart")
-    crash_loop_restarts: int = opt(5, "a service that dies more than this many times within crash_window_s is a "
-                                      "crash loop: the run ends with its last log lines")
-    crash_window_s: float = opt(120.0, "the window crash_loop_restarts counts over")
+    crash_loop_restarts: int = opt(5, "a service that dies more than this many times in a row, each within "
+                                      "crash_window_s of its start, is a crash loop: the run ends with its last "
+                                      "log lines")
+    crash_window_s: float = opt(180.0, "a death this soon after a start counts towards a crash loop; a service "
+                                       "that lived longer starts a new count")
 
 
 @dataclass

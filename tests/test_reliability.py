@@ -91,7 +91,7 @@ def test_a_crash_loop_ends_the_run_naming_the_service_and_its_last_log_lines(tmp
             sup.supervise()
             time.sleep(0.05)
     message = str(failed.value)
-    assert "env-db-0 died 3 times" in message and "usage:" in message and "env-db-0.log" in message
+    assert "env-db-0 died 3 times in a row" in message and "usage:" in message and "env-db-0.log" in message
     assert sup.restarts == {"env-db-0": 2}
     assert json.loads((tmp_path / "restarts.json").read_text()) == {"env-db-0": 2}
     assert "=== jetrl up: restart 2 of env-db-0" in (tmp_path / "logs" / "env-db-0.log").read_text()
@@ -110,6 +110,7 @@ async def test_an_env_request_survives_a_nats_kill_and_restart_and_runs_its_tool
         await declare_topology(env_nc.jetstream(), subjects, cfg.nats)
         host = EnvHost(env, EnvConfig(action_timeout_s=10.0), subjects, "r1")
         service = await host.serve(env_nc, env_nc.jetstream())
+        await env_nc.flush()  # the endpoints are subscribed on the server before the other client asks
         client = EnvClient(rollout_nc, subjects, "db", timeout_s=10.0)
         started = await client.start("s1", "t0")
         pending = asyncio.create_task(client.interact("r1", "s1", work(7), turn=0))
