@@ -319,8 +319,22 @@ async def test_a_job_out_of_deliveries_becomes_a_dead_letter_and_an_env_error_tr
     for _ in range(MAX_DELIVER):  # a replica takes it and dies, five times
         (msg,) = await jobs.fetch(1, timeout=10.0)
         assert decode(msg.data, EpisodeJob).episode_id == "g-lost-0"
+    extra: list[Any] = []
+
+    async def live_replica() -> None:  # the server decides "out of deliveries" when it would deliver again
+        while True:
+            try:
+                extra.extend(await jobs.fetch(1, timeout=1.0))
+            except Exception:
+                pass
+
+    pulling = asyncio.create_task(live_replica())
     trajectories = await js.subscribe(subjects.traj(">"), ordered_consumer=True)
-    stored = decode((await trajectories.next_msg(timeout=20.0)).data, Trajectory)
+    try:
+        stored = decode((await trajectories.next_msg(timeout=30.0)).data, Trajectory)
+    finally:
+        pulling.cancel()
+    assert extra == []  # never delivered a sixth time
     assert (stored.episode_id, stored.group_id, stored.status, stored.group_size) == ("g-lost-0", "g-lost",
                                                                                         "env_error", 2)
     letters = await js.subscribe(subjects.dead_letter(">"), ordered_consumer=True)
