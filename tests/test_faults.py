@@ -47,6 +47,7 @@ def fault_config(run_dir: Path, steps: int) -> JetRLConfig:
     cfg.controller.tasks = {"db": 1.0}
     cfg.controller.group_size = 2
     cfg.controller.max_inflight = 6
+    cfg.controller.max_backlog = 8  # the trainer waits for fresh episodes: steps come evenly, not in bursts
     cfg.rollout.max_new_tokens = 12
     cfg.rollout.concurrency = 2
     cfg.rollout.job_ack_wait_s = 8.0
@@ -139,27 +140,28 @@ async def account(run_dir: Path, prefix: str) -> dict[str, object]:
 
 def test_every_service_and_nats_killed_under_jetrl_up_the_run_finishes_and_loses_nothing(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    steps = 9
+    steps = 12
     cfg = fault_config(run_dir, steps)
     cfg_path = tmp_path / "faults.toml"
     save_config(cfg, cfg_path)
     out = open(tmp_path / "up.out", "w")
     up = subprocess.Popen([sys.executable, "-m", "jetrl.cli", "up", "--config", str(cfg_path), "--rollouts", "2"],
                           cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
-    # one fault per step: (step reached, process to SIGKILL)
-    plan = [(1, "services.envs"), (2, "services.rollout"), (3, "services.trainer"), (4, "services.controller"),
-            (5, "nats-server")]
+    # one fault at a time, each once the run has recovered from the one before: a training step after it
+    # and at least 5 s; (kind, process to SIGKILL)
+    plan = ["services.envs", "services.rollout", "services.trainer", "services.controller", "nats-server"]
     killed: list[tuple[str, int, int, float]] = []
     started = time.monotonic()
+    last_step, last_kill = 0, 0.0
     try:
         while plan and up.poll() is None and time.monotonic() - started < 900:
-            step, target = plan[0]
-            if steps_done(run_dir) >= step:
-                victim = next((p for p in children(up.pid) if target in cmdline(p)), None)
+            step = steps_done(run_dir)
+            if step > last_step and time.monotonic() - last_kill >= 5.0:
+                victim = next((p for p in children(up.pid) if plan[0] in cmdline(p)), None)
                 if victim is not None:
                     os.kill(victim, signal.SIGKILL)
-                    killed.append((target, step, victim, round(time.monotonic() - started, 1)))
-                    plan.pop(0)
+                    last_step, last_kill = step, time.monotonic()
+                    killed.append((plan.pop(0), step, victim, round(last_kill - started, 1)))
             time.sleep(0.2)
         rc = up.wait(timeout=max(10, 900 - (time.monotonic() - started)))
     finally:

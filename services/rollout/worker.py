@@ -28,7 +28,15 @@ from nats.micro.request import Request
 
 from services.rollout.chat import parse_assistant, render_observation, render_opening, render_tool_call
 from services.rollout.engine import Engine, Generation
-from shared.bus import dead_letter, decode_or_dead_letter, publish_metrics, publish_retrying, read_object, retrying
+from shared.bus import (
+    TRANSIENT,
+    dead_letter,
+    decode_or_dead_letter,
+    publish_metrics,
+    publish_retrying,
+    read_object,
+    retrying,
+)
 from shared.config import RolloutConfig
 from shared.envapi import ERROR_CODE_HEADER, ERROR_HEADER, EnvClient, EnvError
 from shared.messages import (
@@ -134,13 +142,17 @@ class RolloutWorker:
         except EnvError as exc:
             if exc.code in ("503", "504") and attempt < MAX_DELIVER:
                 log.warning("episode_retry_later", episode_id=job.episode_id, error=str(exc))
-                await msg.nak(delay=2.0 * attempt)
+                await self._nak(msg, 2.0 * attempt)
                 return
             traj = None
             log.error("episode_env_failed", episode_id=job.episode_id, error=str(exc))
             await self._publish_failed(job, str(exc))
         except asyncio.CancelledError:
             raise
+        except TRANSIENT as exc:  # the broker stayed away past every retry: not the episode's fault, play it again
+            log.warning("episode_retry_later", episode_id=job.episode_id, error=repr(exc))
+            await self._nak(msg, 2.0 * attempt)
+            return
         except Exception as exc:
             log.exception("episode_failed", episode_id=job.episode_id)
             await self._publish_failed(job, repr(exc))
@@ -155,6 +167,13 @@ class RolloutWorker:
         if traj is not None:
             log.info("episode_done", task=job.task, episode_id=job.episode_id, reward=traj.reward,
                      status=traj.status, turns=len(traj.turns), tokens=len(traj.tokens), attempt=attempt)
+
+    @staticmethod
+    async def _nak(msg: Msg, delay_s: float) -> None:
+        try:
+            await msg.nak(delay=delay_s)
+        except Exception as exc:  # unreachable broker: the job comes back after its ack wait anyway
+            log.info("job_nak_failed", error=type(exc).__name__)
 
     async def handle_exhausted_jobs(self) -> Any:
         """A job whose every delivery failed silently (its replica died or stalled each time) would
