@@ -345,3 +345,27 @@ async def test_a_job_out_of_deliveries_becomes_a_dead_letter_and_an_env_error_tr
             break
         await asyncio.sleep(0.1)
     assert (await js.stream_info(subjects.jobs_stream)).state.messages == 0
+
+
+async def test_restarts_reach_the_controllers_status_and_metrics(nc, config, subjects, tmp_path: Path) -> None:
+    """What ``jetrl up`` publishes after restarting services (its ``supervisor`` report, over NATS)."""
+    from litestar.testing import AsyncTestClient
+
+    from services.controller.api import create_app
+    from services.controller.controller import Controller
+
+    controller = Controller(nc, nc.jetstream(), subjects, config, "controller-test")
+    await controller.follow_metrics_and_weights()
+    sup = Supervisor(config, tmp_path / "config.toml", tmp_path)
+    sup._count("trainer")
+    sup._count("nats-server")
+    sup._count("trainer")
+    await nc.publish(subjects.metrics("supervisor"), encode(sup.report()))
+    await nc.flush()
+    await asyncio.sleep(0.3)
+    async with AsyncTestClient(app=create_app(controller)) as client:
+        status = (await client.get("/status")).json()
+        metrics = (await client.get("/metrics")).text
+    assert status["service_restarts"] == {"trainer": 2, "nats-server": 1, "total": 3}
+    assert 'jetrl_service_restarts{service="trainer"} 2.0' in metrics
+    assert 'jetrl_service_restarts{service="total"} 3.0' in metrics
