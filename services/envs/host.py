@@ -121,12 +121,12 @@ class EnvHost:
         # The last replies of start / interact (per turn) / cancel: a request resent after a NATS reconnect
         # (its reply was lost) gets the same answer instead of a second session or a second tool run.
         self.replies: OrderedDict[tuple[str, str], bytes] = OrderedDict()
-
-    REPLY_CACHE = 4096
+        # only a session's latest reply is ever asked for again: a few per open session is plenty
+        self.reply_cache = max(256, 8 * cfg.max_sessions)
 
     def _remember(self, key: tuple[str, str], reply: bytes) -> bytes:
         self.replies[key] = reply
-        while len(self.replies) > self.REPLY_CACHE:
+        while len(self.replies) > self.reply_cache:
             self.replies.popitem(last=False)
         return reply
 
