@@ -191,6 +191,10 @@ class Trainer:
                                 ack_wait=self.cfg.ack_wait_s, max_deliver=self.cfg.max_deliver,
                                 deliver_policy=DeliverPolicy.ALL, max_ack_pending=-1,
                                 filter_subject=self.subjects.traj(">"))
+        try:  # a resumed run's consumer gets today's ack_wait and max_deliver, not the ones it was made with
+            await self.js.add_consumer(self.subjects.traj_stream, config)
+        except Exception as exc:
+            log.warning("trainer_consumer_not_updated", error=repr(exc))
         return await self.js.pull_subscribe(self.subjects.traj(">"), durable=self.subjects.trainer_consumer,
                                             stream=self.subjects.traj_stream, config=config)
 
