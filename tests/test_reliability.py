@@ -369,3 +369,45 @@ async def test_restarts_reach_the_controllers_status_and_metrics(nc, config, sub
     assert status["service_restarts"] == {"trainer": 2, "nats-server": 1, "total": 3}
     assert 'jetrl_service_restarts{service="trainer"} 2.0' in metrics
     assert 'jetrl_service_restarts{service="total"} 3.0' in metrics
+
+
+async def test_a_replica_loads_only_the_newest_policy_version(nc, config, subjects, tiny_model: Any,
+                                                              tmp_path: Path) -> None:
+    """Three versions announced before the replica looks: it loads the third, never the first two (a
+    replica that was busy, or started late, catches up in one load)."""
+    from services.rollout.engine import HFEngine
+    from services.rollout.worker import RolloutWorker
+    from shared.model import load_tokenizer
+
+    model_path = resolve_model(ModelConfig())
+    tokenizer = load_tokenizer(model_path)
+    engine = HFEngine(model_path, "hf-test", [tokenizer.convert_tokens_to_ids("<|im_end|>")], tokenizer.pad_token_id)
+    loaded: list[int] = []
+    update = engine.update_weights
+
+    async def recording(state: Any, version: int) -> None:
+        loaded.append(version)
+        await update(state, version)
+
+    engine.update_weights = recording  # type: ignore[method-assign]
+    trainer = Trainer(nc, nc.jetstream(), subjects, config.trainer, tiny_model, tmp_path, "t")
+    for version in (1, 2, 3):
+        trainer.policy_version = version
+        await trainer.publish_weights()
+    worker = RolloutWorker(nc, nc.jetstream(), subjects, config.rollout, engine, tokenizer, "rollout-test")
+    follower = asyncio.create_task(worker.follow_weights())
+    try:
+        for _ in range(100):
+            if engine.policy_version == 3:
+                break
+            await asyncio.sleep(0.1)
+        trainer.policy_version = 4  # and a version announced while it watches arrives too
+        await trainer.publish_weights()
+        for _ in range(100):
+            if engine.policy_version == 4:
+                break
+            await asyncio.sleep(0.1)
+    finally:
+        follower.cancel()
+        engine.close()
+    assert loaded == [3, 4]
