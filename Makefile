@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 PIP := $(BIN)/python -m pip
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | md5sum | cut -c1-8)
 
-.PHONY: venv system-deps test test-learning quickstart lint clean
+.PHONY: venv system-deps test test-learning test-faults quickstart lint clean
 
 # Debian packages some task envs use: WordNet (kg), bubblewrap + mmdebstrap (os sandboxes). Installed
 # only when missing, and only as root; without them those tests skip and say why.
@@ -55,6 +55,11 @@ lint: venv
 # RL makes SmolLM2 better through every service (~10 min on 2 cores): tests/test_learning.py
 test-learning: venv system-deps
 	$(BIN)/python -m pytest -q -ra -m learning tests/test_learning.py
+
+# Fault suite (issue 16, ~3-4 min on 2 cores): kill -9 of every service and of nats-server under `jetrl up`,
+# >= 10,000 malformed messages, a poison trajectory: tests/test_faults.py, figures in docs/benchmarks/faults.md
+test-faults: venv
+	$(BIN)/python -m pytest -q -ra -m faults tests/test_faults.py
 
 # A warm start built once and cached, then RL on SmolLM2 with per-task success rising step by step
 quickstart: venv

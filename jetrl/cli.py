@@ -17,8 +17,10 @@
 
 ``up`` starts an embedded nats-server (unless ``nats.url`` is set) and every service as its own
 process (``python -m services.<role>``), prints one progress line per training step, and stops
-everything when the trainer is done, on Ctrl-C, or when a service dies. Children get SIGTERM if
-this process dies (PR_SET_PDEATHSIG), so nothing is left behind.
+everything when the trainer is done or on Ctrl-C. A service that dies (the embedded nats-server
+too) is restarted with a backoff and counted; only a crash loop ends the run (``[supervisor]``).
+A run directory holding an earlier run is kept under a new name unless ``--resume``. Children get
+SIGTERM if this process dies (PR_SET_PDEATHSIG), so nothing is left behind.
 """
 
 from __future__ import annotations
@@ -33,17 +35,22 @@ import subprocess
 import sys
 import time
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import structlog
 
 from shared.auth import ROLES, controller_token, generate_passwords, password_env_var, server_authorization
 from shared.bus import connect, declare_topology
 from shared.config import TASKS, JetRLConfig, describe, load_config, save_config
 from shared.log import setup_logging
-from shared.messages import ActionEvent, BadMessage, MetricsReport, ObservationEvent, Trajectory, decode
+from shared.messages import ActionEvent, BadMessage, MetricsReport, ObservationEvent, Trajectory, decode, encode
 from shared.natsd import EmbeddedNats
 from shared.progress import Progress, format_duration
 from shared.subjects import Subjects
+
+log = structlog.get_logger()
 
 PR_SET_PDEATHSIG = 1
 
@@ -56,15 +63,47 @@ def _die_with_parent() -> None:
         pass
 
 
+@dataclass
+class Child:
+    """How to (re)start one service, and its crash record."""
+
+    module_args: list[str]
+    overrides: list[str]
+    restarts: int = 0
+    started_at: float = 0.0  # monotonic time of its latest start
+    failing: int = 0  # deaths in a row, each within crash_window_s of its start
+    restart_at: float | None = None  # dead, waiting for its backoff to pass
+    last_rc: int | None = None
+
+
+class CrashLoop(RuntimeError):
+    """A service kept dying: the run ends, with this message (service, exit codes, last log lines)."""
+
+
 class Supervisor:
-    def __init__(self, cfg: JetRLConfig, config_path: Path, run_dir: Path) -> None:
+    """Starts every service and keeps it alive: a dead service is restarted after a backoff (doubling
+    with each death in a row), logged and counted (``<run>/restarts.json``,
+    and the controller's /status and /metrics through a ``supervisor`` metrics report); only a crash
+    loop ends the run. With an embedded nats-server, a dead server is restarted on the same port and
+    store, so every client's reconnect finds it again."""
+
+    def __init__(self, cfg: JetRLConfig, config_path: Path, run_dir: Path, nats: EmbeddedNats | None = None) -> None:
         self.cfg, self.config_path, self.run_dir = cfg, config_path, run_dir
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.children: dict[str, Child] = {}
+        self.nats = nats
+        self.nats_child = Child([], [], started_at=time.monotonic())
+        self.restarts: dict[str, int] = {}
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
 
     def spawn(self, name: str, module_args: list[str], overrides: list[str] | None = None) -> None:
+        child = self.children.setdefault(name, Child(module_args, list(overrides or [])))
         log = open(self.run_dir / "logs" / f"{name}.log", "ab")
-        cmd = [sys.executable, "-m", *module_args, "--config", str(self.config_path), *(overrides or [])]
+        if child.restarts:
+            log.write(f"=== jetrl up: restart {child.restarts} of {name} (last exit {child.last_rc}) ===\n".encode())
+            log.flush()
+        child.started_at = time.monotonic()
+        cmd = [sys.executable, "-m", *child.module_args, "--config", str(self.config_path), *child.overrides]
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         self.procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                                             start_new_session=True, preexec_fn=_die_with_parent)
@@ -72,6 +111,68 @@ class Supervisor:
 
     def dead(self) -> list[tuple[str, int]]:
         return [(n, p.returncode) for n, p in self.procs.items() if p.poll() is not None]
+
+    def supervise(self, finished: str | None = None) -> list[str]:
+        """One pass: note deaths, restart those whose backoff is over. ``finished`` names a role whose
+        exit is the run's end, not a death. Returns the restarts made (for the progress line); raises
+        CrashLoop when a service died too often."""
+        s = self.cfg.supervisor
+        now = time.monotonic()
+        done: list[str] = []
+        if self.nats is not None and self.nats.proc is not None and self.nats.proc.poll() is not None:
+            self._crashed("nats-server", self.nats_child, self.nats.proc.returncode, now)
+            self.nats.port = int(self.nats.url.rsplit(":", 1)[1])  # same port: clients reconnect to their URL
+            self.nats.start()
+            self.nats_child.started_at = time.monotonic()
+            done.append(self._count("nats-server"))
+        for name, proc in self.procs.items():
+            child = self.children.get(name)
+            if child is None or name == finished or proc.poll() is None:
+                continue
+            if child.restart_at is None:  # a new death
+                self._crashed(name, child, proc.returncode, now)
+                child.last_rc = proc.returncode
+                backoff = min(s.restart_backoff_s * 2 ** (child.failing - 1), s.restart_backoff_max_s)
+                child.restart_at = now + backoff
+                print(f"jetrl up: {name} exited with {proc.returncode}; restarting it in {backoff:.1f}s "
+                      f"(see {self.run_dir / 'logs' / (name + '.log')})", file=sys.stderr, flush=True)
+            elif now >= child.restart_at:
+                child.restart_at = None
+                child.restarts += 1
+                self.spawn(name, child.module_args, child.overrides)
+                done.append(self._count(name))
+        return done
+
+    def _crashed(self, name: str, child: Child, rc: int | None, now: float) -> None:
+        """A death. One that comes soon after a start (within crash_window_s: it never got going, say a
+        broken config or a model that does not load) adds to a run of failures; one after a longer life
+        starts a new run. Too long a run of failures is a crash loop."""
+        s = self.cfg.supervisor
+        child.failing = child.failing + 1 if now - child.started_at < s.crash_window_s else 1
+        if child.failing > s.crash_loop_restarts:
+            raise CrashLoop(f"{name} died {child.failing} times in a row, each within {s.crash_window_s:g}s of "
+                            f"its start (last exit code {rc}): giving up the run.\n{self.last_log_lines(name)}")
+
+    def _count(self, name: str) -> str:
+        self.restarts[name] = self.restarts.get(name, 0) + 1
+        (self.run_dir / "restarts.json").write_text(json.dumps(self.restarts, indent=2, sort_keys=True) + "\n")
+        print(f"jetrl up: restarted {name} (restart {self.restarts[name]})", file=sys.stderr, flush=True)
+        return name
+
+    def last_log_lines(self, name: str, lines: int = 20) -> str:
+        path = self.nats.log_file if name == "nats-server" and self.nats else self.run_dir / "logs" / f"{name}.log"
+        try:
+            tail = path.read_text(errors="replace").splitlines()[-lines:]
+        except OSError:
+            return f"(no log at {path})"
+        return f"last {len(tail)} lines of {path}:\n" + "\n".join("  " + line for line in tail)
+
+    def report(self) -> MetricsReport:
+        """The restart counts, for the controller's /status and /metrics."""
+        values = {f"restarts/{name}": float(n) for name, n in self.restarts.items()}
+        values["restarts/total"] = float(sum(self.restarts.values()))
+        return MetricsReport(role="supervisor", replica_id="jetrl-up", step=int(values["restarts/total"]),
+                             values=values)
 
     def stop_all(self, timeout_s: float = 20.0, trainer_grace_s: float = 300.0) -> None:
         """SIGTERM to every role, then SIGKILL past the timeout. The trainer gets longer: it finishes the
@@ -110,6 +211,7 @@ async def _follow_progress(cfg: JetRLConfig, url: str, sup: Supervisor, stop: as
     started, rc = time.monotonic(), 0
     evaluation = _EvalProgress(sup.run_dir) if main_role == "controller" else None
     url_file, announced = sup.run_dir / "controller.url", False
+    last_report = 0.0
     try:
         while not stop.is_set():
             if not announced and url_file.is_file():
@@ -132,23 +234,27 @@ async def _follow_progress(cfg: JetRLConfig, url: str, sup: Supervisor, stop: as
             except TimeoutError:
                 pass
             main = sup.procs[main_role]
-            if main.poll() is not None:
-                rc = main.returncode
-                if rc == 0 and main_role == "trainer":
+            if main.poll() is not None and main.returncode == 0:
+                if main_role == "trainer":
                     print(f"training finished: {cfg.trainer.steps} steps in {time.monotonic() - started:.0f}s; "
                           f"run directory {sup.run_dir}", flush=True)
                 break
-            dead = [(n, c) for n, c in sup.dead() if n != main_role]
-            if dead:
-                print(f"service(s) died: {dead}; see {sup.run_dir / 'logs'}", file=sys.stderr, flush=True)
+            try:
+                restarted = sup.supervise(finished=None)
+            except CrashLoop as exc:
+                print(f"jetrl up: {exc}", file=sys.stderr, flush=True)
                 rc = 1
                 break
+            if (restarted or time.monotonic() - last_report > 5.0) and sup.restarts and nc.is_connected:
+                last_report = time.monotonic()
+                try:  # the controller shows it in /status and /metrics; lost while NATS is down, sent again later
+                    await nc.publish(subjects.metrics("supervisor"), encode(sup.report()))
+                except Exception as exc:
+                    log.warning("supervisor_report_failed", error=repr(exc))
     finally:
         if evaluation is not None and evaluation.bar is not None:
             evaluation.bar.close()
         await nc.close()
-    if rc and sup.procs[main_role].poll() is not None and sup.procs[main_role].returncode:
-        print(f"{main_role} exited with {rc}; see {sup.run_dir / 'logs' / (main_role + '.log')}", file=sys.stderr)
     return rc
 
 
@@ -227,6 +333,8 @@ def eval_overrides(args: argparse.Namespace) -> list[str]:
 def cmd_up(args: argparse.Namespace, overrides: list[str], mode: str = "up") -> int:
     cfg = load_config(args.config, MODE_DEFAULTS[mode] + eval_overrides(args) + overrides)
     run_dir = Path(cfg.run.dir).resolve()
+    if not getattr(args, "resume", False):
+        _keep_earlier_run(run_dir, mode)
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg.run.dir = str(run_dir)
     server = None
@@ -251,7 +359,7 @@ def cmd_up(args: argparse.Namespace, overrides: list[str], mode: str = "up") -> 
     (run_dir / "nats.url").write_text(f"{cfg.nats.url}\n{cfg.nats.prefix}\n")
     print(f"jetrl {mode}: run directory {run_dir}, NATS {cfg.nats.url} (prefix {cfg.nats.prefix})", flush=True)
     print(f"jetrl {mode}: watch live episodes with `jetrl watch --run-dir {run_dir} --events`", flush=True)
-    sup = Supervisor(cfg, config_path, run_dir)
+    sup = Supervisor(cfg, config_path, run_dir, server)
     (run_dir / "controller.url").unlink(missing_ok=True)  # an earlier run's; the new controller writes its own
     stop = asyncio.Event()
     rc = 1
@@ -290,6 +398,19 @@ def cmd_up(args: argparse.Namespace, overrides: list[str], mode: str = "up") -> 
         if server is not None:
             server.stop()
     return rc
+
+
+def _keep_earlier_run(run_dir: Path, mode: str) -> None:
+    """A fresh run starts fresh: an earlier run's directory (its checkpoints, which the trainer would
+    resume from, and its JetStream store, whose jobs would be played again) is renamed, not reused."""
+    earlier = ("config.toml", "checkpoints", "nats", "metrics.jsonl")
+    if run_dir.is_dir() and any((run_dir / name).exists() for name in earlier):
+        kept = run_dir.with_name(f"{run_dir.name}-{time.strftime('%Y%m%d-%H%M%S', time.localtime(run_dir.stat().st_mtime))}")
+        n = 1
+        while kept.exists():
+            kept, n = kept.with_name(f"{kept.name.split('.')[0]}.{n}"), n + 1
+        run_dir.rename(kept)
+        print(f"jetrl {mode}: the earlier run in {run_dir} is kept as {kept} (--resume continues it instead)", flush=True)
 
 
 def _print_eval(report: dict[str, Any]) -> None:
@@ -476,6 +597,9 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--stale-engines", type=int, default=0,
                        help="extra pool engines that take new weights every rollout.stale_every versions "
                             "(used when rollout.cross_policy_prob > 0)")
+        p.add_argument("--resume", action="store_true",
+                       help="continue the run in run.dir (its checkpoints and streams); without it an earlier "
+                            "run there is renamed and a fresh one starts")
         if name in ("eval", "probe"):
             p.add_argument("--engine", default=None, help="rollout.engine: continuous | hf | vllm | openai")
             p.add_argument("--base-url", default=None, help="openai engine: the server, e.g. http://host:8001/v1")

@@ -10,12 +10,16 @@ import hashlib
 import os
 import socket
 import ssl
+import time
+import weakref
 from typing import Any
 
 import nats
 import structlog
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from nats.errors import ConnectionReconnectingError, NoRespondersError, OutboundBufferLimitError
+from nats.errors import TimeoutError as NatsTimeout
 from nats.js import JetStreamContext
 from nats.js.api import (
     AckPolicy,
@@ -24,11 +28,12 @@ from nats.js.api import (
     DiscardPolicy,
     KeyValueConfig,
     ObjectStoreConfig,
+    PubAck,
     RetentionPolicy,
     StorageType,
     StreamConfig,
 )
-from nats.js.errors import BadRequestError, NotFoundError
+from nats.js.errors import BadRequestError, NoStreamResponseError, NotFoundError, ServiceUnavailableError
 from nats.js.kv import KeyValue
 from nats.js.object_store import ObjectStore
 
@@ -40,6 +45,13 @@ from shared.subjects import Subjects
 log = structlog.get_logger()
 
 DAY_S = 24 * 3600.0
+
+# When each client last got its connection back (see ``since_reconnect``).
+_RECONNECTED_AT: weakref.WeakKeyDictionary[Client, float] = weakref.WeakKeyDictionary()
+
+# What a publish or request may raise while the server restarts or the client reconnects: worth a retry.
+TRANSIENT = (NatsTimeout, TimeoutError, NoRespondersError, NoStreamResponseError, ServiceUnavailableError,
+             OutboundBufferLimitError, ConnectionReconnectingError)
 
 
 async def connect(cfg: NatsConfig, name: str, url: str | None = None, role: str | None = None) -> Client:
@@ -70,13 +82,17 @@ async def connect(cfg: NatsConfig, name: str, url: str | None = None, role: str 
     async def on_disconnected() -> None:
         log.info("nats_disconnected")  # also on a normal close; reconnects are logged as such
 
+    holder: list[Client] = []
+
     async def on_reconnected() -> None:
         log.info("nats_reconnected")
+        if holder:
+            _RECONNECTED_AT[holder[0]] = time.monotonic()
 
     target = url or cfg.url
     if not target:
         raise ValueError("no NATS url: set nats.url or start an embedded server (jetrl up does)")
-    return await nats.connect(
+    nc = await nats.connect(
         target,
         name=name,
         connect_timeout=cfg.connect_timeout_s,
@@ -91,6 +107,69 @@ async def connect(cfg: NatsConfig, name: str, url: str | None = None, role: str 
         reconnected_cb=on_reconnected,
         **kwargs,
     )
+    holder.append(nc)
+    if nc.max_payload < MAX_MESSAGE_BYTES:  # a stock server allows 1 MiB: a trajectory or weights chunk would fail later
+        await nc.close()
+        raise NatsPayloadError(
+            f"nats-server at {target} allows messages of {nc.max_payload} bytes, JetRL sends up to "
+            f"{MAX_MESSAGE_BYTES} (shared.messages.MAX_MESSAGE_BYTES): start it with "
+            f"--max_payload {MAX_MESSAGE_BYTES + 64 * 1024} (or max_payload in its config file)")
+    return nc
+
+
+class NatsPayloadError(RuntimeError):
+    """The server's max_payload is below what JetRL's codec may send."""
+
+
+def since_reconnect(nc: Client) -> float:
+    """Seconds since this client last reconnected (inf if never): right after a server restart the
+    other services may not have resubscribed yet, so 'no responders' then is not yet an answer."""
+    at = _RECONNECTED_AT.get(nc)
+    return float("inf") if at is None else time.monotonic() - at
+
+
+def connection_disrupted(nc: Client, reconnects_before: int, grace_s: float = 15.0) -> bool:
+    """Whether this client lost its connection since ``reconnects_before`` (``nc.stats['reconnects']``
+    then), is reconnecting now, or got back less than ``grace_s`` ago."""
+    return (nc.is_reconnecting or not nc.is_connected or nc.stats["reconnects"] != reconnects_before
+            or since_reconnect(nc) < grace_s)
+
+
+async def publish_retrying(js: JetStreamContext, subject: str, payload: bytes, *, headers: dict[str, str] | None = None,
+                           retry_s: float = 120.0, timeout_s: float = 5.0) -> PubAck:
+    """A JetStream publish that survives a server restart: transient failures (no PubAck in time, no
+    stream responders, JetStream not ready, reconnecting) are retried with backoff for ``retry_s``.
+    Give a ``Nats-Msg-Id`` header: a retry whose first try did land is then dropped by the stream's
+    duplicate window instead of being stored twice."""
+    deadline = time.monotonic() + retry_s
+    delay = 0.25
+    tries = 0
+    while True:
+        tries += 1
+        try:
+            return await js.publish(subject, payload, headers=headers, timeout=timeout_s)
+        except TRANSIENT as exc:
+            if time.monotonic() + delay > deadline:
+                log.error("publish_gave_up", subject=subject, tries=tries, error=repr(exc))
+                raise
+            log.warning("publish_retry", subject=subject, attempt=tries, error=type(exc).__name__)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 2.0)
+
+
+async def retrying(what: str, call: Any, retry_s: float = 60.0) -> Any:
+    """Await ``call()`` (an ack, a KV write...), retrying transient failures for ``retry_s``."""
+    deadline = time.monotonic() + retry_s
+    delay = 0.25
+    while True:
+        try:
+            return await call()
+        except TRANSIENT as exc:
+            if time.monotonic() + delay > deadline:
+                raise
+            log.warning("nats_retry", what=what, error=type(exc).__name__)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 2.0)
 
 
 async def _ensure_stream(js: JetStreamContext, config: StreamConfig) -> None:
@@ -118,20 +197,21 @@ async def declare_topology(js: JetStreamContext, subjects: Subjects, cfg: NatsCo
     ))
     await _ensure_stream(js, StreamConfig(
         name=subjects.episodes_stream, subjects=subjects.episode_stream_subjects,
-        retention=RetentionPolicy.LIMITS, storage=StorageType.FILE, max_age=7 * DAY_S,
-        discard=DiscardPolicy.OLD, num_replicas=replicas,
+        retention=RetentionPolicy.LIMITS, storage=StorageType.FILE, max_age=cfg.episodes_max_age_s,
+        max_bytes=cfg.episodes_max_bytes, discard=DiscardPolicy.OLD, num_replicas=replicas,
+        duplicate_window=120.0,  # an event resent across a reconnect carries the same Nats-Msg-Id
         description="every action and observation of every episode, in order",
     ))
     await _ensure_stream(js, StreamConfig(
         name=subjects.traj_stream, subjects=[subjects.traj(">")], retention=RetentionPolicy.LIMITS,
-        storage=StorageType.FILE, max_age=7 * DAY_S,
+        storage=StorageType.FILE, max_age=cfg.traj_max_age_s, max_bytes=cfg.traj_max_bytes, discard=DiscardPolicy.OLD,
         duplicate_window=3600.0, max_msg_size=MAX_MESSAGE_BYTES, num_replicas=replicas,
         description="finished trajectories, deduplicated by episode id (Nats-Msg-Id)",
     ))
     await _ensure_stream(js, StreamConfig(
         name=subjects.dlq_stream, subjects=[subjects.dead_letter(">")], retention=RetentionPolicy.LIMITS,
-        storage=StorageType.FILE, max_age=7 * DAY_S, num_replicas=replicas,
-        description="messages a service could not accept, with the reason",
+        storage=StorageType.FILE, max_age=7 * DAY_S, max_bytes=cfg.dlq_max_bytes, discard=DiscardPolicy.OLD,
+        num_replicas=replicas, description="messages a service could not accept, with the reason",
     ))
     for kv_config in (
         KeyValueConfig(bucket=subjects.policy_kv, history=16, replicas=replicas,

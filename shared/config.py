@@ -51,6 +51,12 @@ class NatsConfig:
                             "service connects as the user named after its role (shared/auth.py)")
     embedded_auth: bool = opt(True, "jetrl up's embedded nats-server has one user per role with subject "
                                     "permissions (shared/auth.py); false = an open server")
+    # bounds of the streams that grow with the run (issue 16): the oldest messages go first
+    traj_max_age_s: float = opt(7 * 86400.0, "TRAJ keeps trajectories this long")
+    traj_max_bytes: int = opt(4 * 1024**3, "TRAJ holds at most this many bytes (-1 = no bound)")
+    episodes_max_age_s: float = opt(7 * 86400.0, "EPISODES keeps action/observation events this long")
+    episodes_max_bytes: int = opt(4 * 1024**3, "EPISODES holds at most this many bytes (-1 = no bound)")
+    dlq_max_bytes: int = opt(1024**3, "DLQ holds at most this many bytes (-1 = no bound)")
 
 
 @dataclass
@@ -291,8 +297,14 @@ class TrainerConfig:
                                          "that the agent did not write (task, tool results); > 0 teaches a small "
                                          "model from scratch to read and copy from its context")
     group_timeout_s: float = opt(300.0, "an incomplete group older than this is trained on as it is")
-    ack_wait_s: float = opt(600.0, "trajectories held this long without an ack are redelivered")
+    ack_wait_s: float = opt(15.0, "trajectories held this long without an ack or an in_progress heartbeat are "
+                                  "redelivered (the trainer touches what it holds every ack_wait_s / 4, so a "
+                                  "crashed trainer's batch comes back within this)")
+    max_deliver: int = opt(5, "deliveries of one trajectory to the trainer; its last delivery is dead-lettered "
+                              "instead of trained on (a poison message cannot crash the trainer forever)")
+    dedupe_window: int = opt(100000, "episode ids the trainer remembers to drop a duplicate trajectory (bounded)")
     keep_weight_versions: int = opt(3, "weight objects kept in the object store")
+    keep_checkpoints: int = opt(3, "newest checkpoints kept in <run>/checkpoints (0 = all)")
     # scale-out (services/trainer/deepspeed_backend.py): launch with torchrun/deepspeed for several ranks
     backend: str = opt("torch", "torch (one process, the default) | deepspeed (ZeRO, several ranks, rank 0 serves)")
     zero_stage: int = opt(2, "deepspeed: ZeRO stage 1 | 2 | 3 (3 gathers full weights for each broadcast)")
@@ -350,6 +362,20 @@ class ServeConfig:
 
 
 @dataclass
+class SupervisorConfig:
+    """[supervisor]: how ``jetrl up`` keeps its children alive (issue 16)."""
+
+    restart_backoff_s: float = opt(1.0, "wait before restarting a dead service; doubles with each death in a row, "
+                                        "up to restart_backoff_max_s")
+    restart_backoff_max_s: float = opt(30.0, "longest wait before a restart")
+    crash_loop_restarts: int = opt(5, "a service that dies more than this many times in a row, each within "
+                                      "crash_window_s of its start, is a crash loop: the run ends with its last "
+                                      "log lines")
+    crash_window_s: float = opt(180.0, "a death this soon after a start counts towards a crash loop; a service "
+                                       "that lived longer starts a new count")
+
+
+@dataclass
 class JetRLConfig:
     nats: NatsConfig = field(default_factory=NatsConfig)
     run: RunConfig = field(default_factory=RunConfig)
@@ -360,6 +386,7 @@ class JetRLConfig:
     controller: ControllerConfig = field(default_factory=ControllerConfig)
     warmstart: WarmStartConfig = field(default_factory=WarmStartConfig)
     serve: ServeConfig = field(default_factory=ServeConfig)
+    supervisor: SupervisorConfig = field(default_factory=SupervisorConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -5,12 +5,15 @@ Any agent, not only JetRL's rollout service, can drive an env service with this 
 
 from __future__ import annotations
 
+import asyncio
+import time
 from typing import Any
 
 from nats.aio.client import Client
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 
+from shared.bus import connection_disrupted
 from shared.messages import (
     EnvCancel,
     EnvHealth,
@@ -25,6 +28,9 @@ from shared.messages import (
 )
 from shared.subjects import Subjects
 
+RECONNECT_GRACE_S = 30.0
+"""How long past its own timeout a request keeps being retried while the connection was disrupted."""
+
 ERROR_HEADER = "Nats-Service-Error"
 ERROR_CODE_HEADER = "Nats-Service-Error-Code"
 
@@ -38,21 +44,55 @@ class EnvError(RuntimeError):
         self.description = description
 
 
+class _Resend(Exception):
+    """The connection came back while a request waited: send it again."""
+
+
 class EnvClient:
     def __init__(self, nc: Client, subjects: Subjects, task: str, timeout_s: float = 30.0) -> None:
         self.nc, self.subjects, self.task, self.timeout_s = nc, subjects, task, timeout_s
 
     async def _request(self, subject: str, payload: bytes, timeout_s: float | None = None) -> bytes:
-        try:
-            reply = await self.nc.request(subject, payload, timeout=timeout_s or self.timeout_s)
-        except NoRespondersError:
-            raise EnvError("503", f"no env replica answers on {subject}") from None
-        except NatsTimeout:
-            raise EnvError("504", f"no reply on {subject} within {timeout_s or self.timeout_s}s") from None
+        """One request; resent while our own connection is disrupted (a NATS restart: the request or its
+        reply was lost, or the env has not resubscribed yet), so an episode fails only for a reason of
+        its own. Resending is safe: start, interact (with its turn), cancel are deduplicated by the env."""
+        timeout = timeout_s or self.timeout_s
+        deadline = time.monotonic() + timeout + RECONNECT_GRACE_S
+        while True:
+            reconnects = self.nc.stats["reconnects"]
+            try:
+                reply = await self._request_once(subject, payload, timeout, reconnects)
+                break
+            except NoRespondersError:
+                if connection_disrupted(self.nc, reconnects) and time.monotonic() < deadline:
+                    await asyncio.sleep(0.5)
+                    continue
+                raise EnvError("503", f"no env replica answers on {subject}") from None
+            except (NatsTimeout, TimeoutError):
+                if connection_disrupted(self.nc, reconnects, grace_s=0.0) and time.monotonic() < deadline:
+                    continue
+                raise EnvError("504", f"no reply on {subject} within {timeout}s") from None
+            except _Resend:
+                continue
         headers = reply.headers or {}
         if ERROR_CODE_HEADER in headers:
             raise EnvError(headers[ERROR_CODE_HEADER], headers.get(ERROR_HEADER, ""))
         return reply.data
+
+    async def _request_once(self, subject: str, payload: bytes, timeout: float, reconnects: int) -> Any:
+        """``nc.request``, given up early (``_Resend``) when the connection drops and comes back while we
+        wait: the reply to a request sent before a server restart never comes."""
+        task = asyncio.ensure_future(self.nc.request(subject, payload, timeout=timeout))
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=0.25)
+                if done:
+                    return task.result()
+                if self.nc.stats["reconnects"] != reconnects and self.nc.is_connected:
+                    raise _Resend()
+        finally:
+            if not task.done():
+                task.cancel()
 
     async def start(self, session_id: str, task_id: str, split: str = "train", seed: int = 0,
                     timeout_s: float | None = None) -> EnvStarted:
@@ -61,9 +101,9 @@ class EnvClient:
                                    timeout_s)
         return decode(data, EnvStarted)
 
-    async def interact(self, replica_id: str, session_id: str, message: dict[str, Any]) -> EnvStep:
+    async def interact(self, replica_id: str, session_id: str, message: dict[str, Any], turn: int = -1) -> EnvStep:
         data = await self._request(self.subjects.env_interact(self.task, replica_id),
-                                   encode(EnvInteract(session_id=session_id, message=message)))
+                                   encode(EnvInteract(session_id=session_id, message=message, turn=turn)))
         return decode(data, EnvStep)
 
     async def oracle(self, replica_id: str, session_id: str) -> dict[str, Any]:

@@ -50,6 +50,13 @@ LossMask = Annotated[int, msgspec.Meta(ge=0, le=1)]
 """1 = a sampled token the loss trains on, 0 = prompt, observation or template."""
 LogProb = Annotated[float, msgspec.Meta(ge=-sys.float_info.max, le=0.0)]
 """A behaviour logprob: finite (the lower bound refuses -inf, and NaN fails every bound) and <= 0."""
+SubjectToken = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_-]+$", max_length=128)]
+"""A value that becomes one token of a subject (a task name, a replica id): nothing a subject cannot hold."""
+SubjectPart = Annotated[str, msgspec.Meta(pattern=r"^[^\s*>]+$", max_length=512)]
+"""A value that becomes part of a subject or header (an episode id): no spaces or wildcards, bounded, so a
+hostile one cannot make a client publish a subject the server refuses (which closes its connection)."""
+Temperature = Annotated[float, msgspec.Meta(ge=0.0, le=100.0)]
+NewTokens = Annotated[int, msgspec.Meta(ge=1, le=1 << 20)]
 
 
 class Message(msgspec.Struct, tag_field="kind", kw_only=True):
@@ -76,14 +83,14 @@ class Message(msgspec.Struct, tag_field="kind", kw_only=True):
 class EpisodeJob(Message, tag="episode_job", kw_only=True):
     """One episode to play. The ``group_size`` episodes of a group share ``task_id`` (GRPO)."""
 
-    episode_id: str
-    group_id: str
-    task: str
+    episode_id: SubjectPart
+    group_id: SubjectPart
+    task: SubjectToken
     task_id: str
     split: str = "train"
-    group_size: int = 1
-    temperature: float = 1.0
-    max_new_tokens: int = 128
+    group_size: Annotated[int, msgspec.Meta(ge=1)] = 1
+    temperature: Temperature = 1.0
+    max_new_tokens: NewTokens = 128
     created_at: float = msgspec.field(default_factory=now)
 
 
@@ -101,7 +108,7 @@ class EnvStarted(Message, tag="env_started", kw_only=True):
     """The opening of an episode: OpenAI-format messages and tool schemas."""
 
     session_id: str
-    replica_id: str
+    replica_id: SubjectToken
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]]
     max_turns: int
@@ -115,6 +122,9 @@ class EnvInteract(Message, tag="env_interact", kw_only=True):
 
     session_id: str
     message: dict[str, Any]
+    turn: int = -1
+    """The turn this message plays (0, 1, ...): a retried request for the same turn (its reply was lost
+    in a NATS reconnect) gets the first reply again instead of running the tool twice. -1 = no dedupe."""
 
 
 class EnvOracle(Message, tag="env_oracle", kw_only=True):
@@ -166,6 +176,8 @@ class EpisodeStatus:
     ENV_ERROR = "env_error"
     CANCELLED = "cancelled"
     TIMEOUT = "timeout"
+    ENV_TIMEOUT = "env_timeout"
+    """A tool call ran past ``env.action_timeout_s``: the episode ends (its tool may still be running)."""
 
 
 # --------------------------------------------------------------------------------------------- #
@@ -262,8 +274,8 @@ class Trajectory(Message, tag="trajectory", kw_only=True):
 # --------------------------------------------------------------------------------------------- #
 class GenerateRequest(Message, tag="generate_request", kw_only=True):
     prompt: list[TokenId]
-    max_new_tokens: int
-    temperature: float
+    max_new_tokens: NewTokens
+    temperature: Temperature
 
 
 class GenerateReply(Message, tag="generate_reply", kw_only=True):

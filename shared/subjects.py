@@ -160,6 +160,14 @@ class Subjects:
     def weights_object(version: int) -> str:
         return f"policy-{version:08d}.safetensors"
 
+    # ---- JetStream advisories (NATS's own names) ----
+    @staticmethod
+    def max_deliveries_advisory(stream: str, consumer: str) -> str:
+        """Published by the server when a message of ``stream`` ran out of deliveries on ``consumer``
+        (JSON with ``stream_seq``): the rollout turns an exhausted job into a dead letter and an
+        ``env_error`` trajectory, so its group completes."""
+        return f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{stream}.{consumer}"
+
     # ---- object-store internals (NATS ADR-20), for readers that bypass nats-py's ObjectStore ----
     @staticmethod
     def object_stream(bucket: str) -> str:

@@ -152,9 +152,18 @@ def test_versions_unknown_fields_and_every_message_type() -> None:
                                                   cls))))[:2] == ["kind", "v"]
 
 
-SMALLEST = {str: "x", int: 0, float: 0.0, bool: False, bytes: b"", list: [], dict: {}}
-REQUIRED = {cls: {f.name: SMALLEST[typing.get_origin(f.type) or f.type] for f in msgspec.structs.fields(cls)
-                  if f.required} for cls in MESSAGES}
+SMALLEST = {str: "x", int: 1, float: 0.0, bool: False, bytes: b"", list: [], dict: {}}
+
+
+def _plain(hint: object) -> object:
+    """The type under constraints: ``Annotated[str, Meta(...)]`` -> str."""
+    if typing.get_origin(hint) is typing.Annotated:
+        hint = typing.get_args(hint)[0]
+    return typing.get_origin(hint) or hint
+
+
+REQUIRED = {cls: {f.name: SMALLEST[_plain(f.type)] for f in msgspec.structs.fields(cls) if f.required}
+            for cls in MESSAGES}
 """The smallest valid body of each message type."""
 
 

@@ -38,6 +38,9 @@ def small_config(config: JetRLConfig, tmp_path: Path, **over: object) -> JetRLCo
     config.trainer.steps = 2
     config.trainer.min_groups = 1
     config.trainer.lr = 1e-3
+    # an untrained model's groups are all failures (no policy gradient): the KL term makes every step a real
+    # optimizer step, and only those make a new policy version (issue 16)
+    config.trainer.kl_coef = 0.01
     config.env.num_train_tasks = 8
     config.env.num_test_tasks = 4
     for key, value in over.items():

@@ -21,7 +21,7 @@ from services.envs.webshop.catalog import Catalog, build, catalog_path, generate
 from services.envs.webshop.goals import DIFFICULTIES, normalize_color, option_matches, reward, title_nouns
 from services.envs.webshop.shop import ShopEpisode
 from shared.config import EnvConfig
-from shared.envapi import EnvClient
+from shared.envapi import EnvClient, EnvError
 
 # sha256 of the test split (ids, instructions, targets, attributes, options, price bounds). It changes
 # only when the generator or the goal sampler changes: then the split is no longer the frozen one.
@@ -380,22 +380,26 @@ async def test_served_over_nats_oracle_episodes_and_bad_actions(config, subjects
         content = step.messages[0]["content"]
         assert not step.finish and "Total results: 50" in content
         assert len(content) <= config.env.webshop.max_observation_chars
-        # a call past the time limit: a clear error, and the session goes on
-        step = await client.interact(rid, sid, call("click_action", {"value": "back to search"}))
-        config.env.action_timeout_s = 1e-6
-        long_query = " ".join(env.goal(t, "test")["instruction_text"] for t in env.task_ids("test")[:4])
-        step = await client.interact(rid, sid, call("search_action", {"keywords": long_query}))
-        assert not step.finish and "longer than" in step.messages[0]["content"]
-        config.env.action_timeout_s = 10.0
-        # a search that had started still lands later (the host cannot stop a thread): let it
-        await asyncio.sleep(0.5)
         # the same session still finishes normally, and the replica serves a new one
+        step = await client.interact(rid, sid, call("click_action", {"value": "back to search"}))
         for _ in range(10):
             step = await client.interact(rid, sid, await client.oracle(rid, sid))
             if step.finish:
                 break
         assert step.finish and step.status == "completed" and step.reward == 1.0
-        assert step.metrics["invalid_actions"] == 7.0
+        assert step.metrics["invalid_actions"] == 6.0
+        # a call past the time limit ends its episode (env_timeout): its search still runs in its thread,
+        # and no later call may run beside it (issue 16)
+        sid = uuid.uuid4().hex
+        await client.start(sid, env.task_ids("test")[1], "test")
+        config.env.action_timeout_s = 1e-6
+        long_query = " ".join(env.goal(t, "test")["instruction_text"] for t in env.task_ids("test")[:4])
+        step = await client.interact(rid, sid, call("search_action", {"keywords": long_query}))
+        config.env.action_timeout_s = 10.0
+        assert step.finish and step.status == "env_timeout" and "longer than" in step.messages[0]["content"]
+        with pytest.raises(EnvError, match="404"):
+            await client.interact(rid, sid, call("click_action", {"value": "back to search"}))
+        await asyncio.sleep(0.5)  # the search lands, then the session is freed
         assert await oracle_episode(env.task_ids("test")[7], "test") == 1.0
         # the turn limit ends an episode with reward 0
         sid = uuid.uuid4().hex

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import signal
 import socket
 import sys
 from contextlib import AsyncExitStack
@@ -17,6 +16,7 @@ from services.controller.controller import Controller
 from shared.auth import controller_token
 from shared.bus import connect, declare_topology, heartbeat_loop, replica_name
 from shared.config import from_argv
+from shared.lifecycle import close_connection, exit_code, install_stop, stop_if_connection_closed
 from shared.log import setup_logging
 from shared.subjects import Subjects
 
@@ -27,8 +27,7 @@ async def main(argv: list[str]) -> None:
     log = setup_logging("controller", replica_id, cfg.run.log_level, cfg.run.log_format)
     subjects = Subjects(cfg.nats.prefix)
     stop = asyncio.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    install_stop(stop, grace_s=8.0)  # gone within 10 s of SIGTERM, NATS or not
 
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -39,7 +38,9 @@ async def main(argv: list[str]) -> None:
     (run_dir / "controller.url").write_text(url + "\n")
     async with AsyncExitStack() as stack:
         nc = await connect(cfg.nats, replica_id, role="controller")
-        stack.push_async_callback(nc.drain)
+        stack.push_async_callback(close_connection, nc)
+        watch = asyncio.create_task(stop_if_connection_closed(nc, stop))
+        stack.callback(watch.cancel)
         js = nc.jetstream()
         await declare_topology(js, subjects, cfg.nats, cfg.controller.heartbeat_ttl_s, role="controller")
         controller = Controller(nc, js, subjects, cfg, replica_id)
@@ -72,3 +73,4 @@ async def main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     asyncio.run(main(sys.argv[1:]))
+    sys.exit(exit_code())

@@ -47,6 +47,8 @@ def create_app(controller: Controller, token: str = "") -> Litestar:
     policy = Gauge("jetrl_policy_version", "latest published policy version", registry=registry)
     duplicates = Gauge("jetrl_duplicate_trajectories", "trajectories seen twice (deduplicated)", registry=registry)
     trainer = Gauge("jetrl_trainer", "latest trainer metrics", ["name"], registry=registry)
+    restarts = Gauge("jetrl_service_restarts", "restarts of a service by `jetrl up` (service=total: all)",
+                     ["service"], registry=registry)
 
     @get("/status")
     async def status() -> dict[str, Any]:
@@ -66,6 +68,8 @@ def create_app(controller: Controller, token: str = "") -> Litestar:
         duplicates.set(s["duplicate_trajectories"])
         for name, value in s["trainer"].items():
             trainer.labels(name).set(value)
+        for service, count in s["service_restarts"].items():
+            restarts.labels(service).set(count)
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     return Litestar([status, metrics, *dashboard_routes(controller)],

@@ -258,6 +258,12 @@ class Controller:
                 msgs = await sub.fetch(128, timeout=1.0)
             except (TimeoutError, NatsTimeout):
                 continue
+            except Exception as exc:  # broker restarting: wait and read on (a closed connection ends the service)
+                if self.nc.is_closed:
+                    return
+                log.warning("trajectory_fetch_failed", error=repr(exc))
+                await asyncio.sleep(0.5)
+                continue
             for msg in msgs:  # a bad one is dead-lettered and terminated by the shared helper
                 traj = await decode_or_dead_letter(self.js, self.subjects, "controller", msg, Trajectory)
                 if traj is not None:
@@ -352,6 +358,9 @@ class Controller:
                 "mean_reward": book.reward_sum / book.finished if book.finished else 0.0,
             }
         trainer = {k.split("/", 1)[1]: v.values for k, v in self.latest_metrics.items() if k.startswith("trainer/")}
+        # `jetrl up` reports the services it restarted (role "supervisor"): service -> restarts
+        supervisor = next((v.values for k, v in self.latest_metrics.items() if k.startswith("supervisor/")), {})
+        restarts = {k.split("/", 1)[1]: int(v) for k, v in supervisor.items() if k.startswith("restarts/")}
         return {
             "state": self.state, "policy_version": self.policy_version, "target_steps": self.cfg.trainer.steps,
             "episodes_published": sum(b.published for b in self.books.values()),
@@ -360,4 +369,5 @@ class Controller:
             "uptime_s": round(time.time() - self.started_at, 1), "tasks": tasks,
             "trainer": next(iter(trainer.values()), {}), "replicas": self.replicas,
             "eval_planned": self.eval_planned,
+            "service_restarts": restarts,
         }

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import importlib
-import signal
 import sys
 from contextlib import AsyncExitStack
 
 from services.envs.host import EnvHost
 from shared.bus import connect, declare_topology, heartbeat_loop, replica_name
 from shared.config import from_argv
+from shared.lifecycle import close_connection, exit_code, install_stop, stop_if_connection_closed
 from shared.log import setup_logging
 from shared.subjects import Subjects, check_token
 
@@ -35,13 +35,14 @@ async def main(argv: list[str]) -> None:
     log = setup_logging(f"env-{task}", replica_id, cfg.run.log_level, cfg.run.log_format)
     subjects = Subjects(cfg.nats.prefix)
     stop = asyncio.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    install_stop(stop, grace_s=8.0)  # gone within 10 s of SIGTERM, NATS or not
 
     env = importlib.import_module(TASK_MODULES[task]).make_env(cfg.env)
     async with AsyncExitStack() as stack:
         nc = await connect(cfg.nats, replica_id, role="env")
-        stack.push_async_callback(nc.drain)
+        stack.push_async_callback(close_connection, nc)
+        watch = asyncio.create_task(stop_if_connection_closed(nc, stop))
+        stack.callback(watch.cancel)
         js = nc.jetstream()
         await declare_topology(js, subjects, cfg.nats, cfg.controller.heartbeat_ttl_s, role="env")
         host = EnvHost(env, cfg.env, subjects, replica_id)
@@ -59,3 +60,4 @@ async def main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     asyncio.run(main(sys.argv[1:]))
+    sys.exit(exit_code())

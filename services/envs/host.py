@@ -13,6 +13,7 @@ import concurrent.futures
 import functools
 import json
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -55,6 +56,8 @@ class Session:
     last_active: float = field(default_factory=time.monotonic)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     closed: bool = False
+    running: asyncio.Future[ToolResult] | None = None
+    """The last tool call's thread; one that timed out may still run, and the episode is freed after it."""
 
 
 def parse_tool_call(message: dict[str, Any]) -> tuple[str, ToolCall]:
@@ -64,6 +67,8 @@ def parse_tool_call(message: dict[str, Any]) -> tuple[str, ToolCall]:
     calls = message.get("tool_calls") or []
     if not isinstance(calls, list) or not calls:
         raise ToolError("No tool call found. Reply with exactly one tool call, using one of the listed tools.")
+    if len(calls) > 1:  # running only the first would hide the others from the agent
+        raise ToolError(f"{len(calls)} tool calls in one message; none was run. Call exactly one tool per turn.")
     call = calls[0]
     if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
         raise ToolError("Malformed tool call: expected {\"function\": {\"name\": ..., \"arguments\": ...}}.")
@@ -127,6 +132,17 @@ class EnvHost:
         self.started_at = time.monotonic()
         self._tasks: set[asyncio.Task[None]] = set()
         self.js: JetStreamContext | None = None
+        # The last replies of start / interact (per turn) / cancel: a request resent after a NATS reconnect
+        # (its reply was lost) gets the same answer instead of a second session or a second tool run.
+        self.replies: OrderedDict[tuple[str, str], bytes] = OrderedDict()
+        # only a session's latest reply is ever asked for again: a few per open session is plenty
+        self.reply_cache = max(256, 8 * cfg.max_sessions)
+
+    def _remember(self, key: tuple[str, str], reply: bytes) -> bytes:
+        self.replies[key] = reply
+        while len(self.replies) > self.reply_cache:
+            self.replies.popitem(last=False)
+        return reply
 
     # ------------------------------------------------------------------ service wiring
     async def serve(self, nc: Client, js: JetStreamContext) -> Any:
@@ -172,6 +188,8 @@ class EnvHost:
     # ------------------------------------------------------------------ endpoints
     async def start(self, data: bytes) -> bytes:
         req = decode(data, EnvStart)
+        if (req.session_id, "start") in self.replies:  # a resent start: the session it opened
+            return self.replies[(req.session_id, "start")]
         if req.session_id in self.sessions:
             raise ServiceError("409", f"session {req.session_id} already exists")
         if len(self.sessions) >= self.cfg.max_sessions:
@@ -184,9 +202,9 @@ class EnvHost:
         self.sessions_started += 1
         log.info("session_started", task=self.task, session_id=req.session_id, task_id=req.task_id)
         level = self.env.task_level(req.task_id, req.split)
-        return encode(EnvStarted(session_id=req.session_id, replica_id=self.replica_id,
-                                 messages=episode.opening(), tools=episode.tools, max_turns=episode.max_turns,
-                                 level=level.level, task_kind=level.kind))
+        return self._remember((req.session_id, "start"), encode(EnvStarted(
+            session_id=req.session_id, replica_id=self.replica_id, messages=episode.opening(), tools=episode.tools,
+            max_turns=episode.max_turns, level=level.level, task_kind=level.kind)))
 
     def _session(self, session_id: str) -> Session:
         session = self.sessions.get(session_id)
@@ -196,8 +214,13 @@ class EnvHost:
 
     async def interact(self, data: bytes) -> bytes:
         req = decode(data, EnvInteract)
+        key = (req.session_id, f"turn-{req.turn}")
+        if req.turn >= 0 and key in self.replies:  # resent after a reconnect: this turn already ran
+            return self.replies[key]
         session = self._session(req.session_id)
         async with session.lock:
+            if req.turn >= 0 and key in self.replies:  # the first copy ran while this one waited
+                return self.replies[key]
             if session.closed:
                 raise ServiceError("404", f"session {req.session_id} was closed")
             session.last_active = time.monotonic()
@@ -212,11 +235,12 @@ class EnvHost:
             if result.finish:
                 await self._close(session, result.status)
             session.last_active = time.monotonic()
-        tool_message = {"role": result.role, "content": result.content}
-        if result.role == "tool":
-            tool_message = {"role": "tool", "tool_call_id": call_id, "content": result.content}
-        return encode(EnvStep(finish=result.finish, reward=float(result.reward), status=result.status,
-                              messages=[tool_message], metrics=metrics))
+            tool_message = {"role": result.role, "content": result.content}
+            if result.role == "tool":
+                tool_message = {"role": "tool", "tool_call_id": call_id, "content": result.content}
+            reply = encode(EnvStep(finish=result.finish, reward=float(result.reward), status=result.status,
+                                   messages=[tool_message], metrics=metrics))
+            return self._remember(key, reply) if req.turn >= 0 else reply
 
     def _truncate(self, content: str) -> str:
         """Every observation, error text included (it may echo a huge argument), within the limit
@@ -242,17 +266,21 @@ class EnvHost:
                 run = functools.partial(session.episode.call, call)
             else:  # a text-only turn: most tasks refuse it, KG reads its "Final Answer: #3" from it
                 run = functools.partial(session.episode.reply, str(message.get("content") or ""))
-            result = await asyncio.wait_for(asyncio.to_thread(run), timeout=self.cfg.action_timeout_s)
+            session.running = asyncio.ensure_future(asyncio.to_thread(run))
+            # shield: a thread cannot be stopped; the episode is freed once it returns (see _close)
+            result = await asyncio.wait_for(asyncio.shield(session.running), timeout=self.cfg.action_timeout_s)
         except ToolError as exc:
             session.invalid_actions += 1
             if self.cfg.invalid_action_ends_episode:
                 return call_id, ToolResult(content=f"Error: {exc}", finish=True, reward=0.0,
                                            status=EpisodeStatus.INVALID_ACTION)
             return call_id, ToolResult(content=f"Error: {exc}", status=EpisodeStatus.RUNNING)
-        except TimeoutError:
-            session.invalid_actions += 1
-            return call_id, ToolResult(content=f"Error: the tool call took longer than {self.cfg.action_timeout_s:g}s "
-                                               "and was stopped.", status=EpisodeStatus.RUNNING)
+        except TimeoutError:  # the episode ends: its tool still runs, and the next call must not run beside it
+            log.warning("tool_call_timeout", task=self.task, session_id=session.session_id,
+                        timeout_s=self.cfg.action_timeout_s)
+            return call_id, ToolResult(content=f"Error: the tool call took longer than {self.cfg.action_timeout_s:g}s; "
+                                               "the episode ends.", finish=True, reward=0.0,
+                                       status=EpisodeStatus.ENV_TIMEOUT)
         except Exception as exc:
             log.exception("tool_call_failed", task=self.task, session_id=session.session_id)
             return call_id, ToolResult(content=f"Environment error: {exc!r}", finish=True, reward=0.0,
@@ -271,10 +299,12 @@ class EnvHost:
 
     async def cancel(self, data: bytes) -> bytes:
         req = decode(data, EnvCancel)
+        if (req.session_id, "cancel") in self.replies:
+            return self.replies[(req.session_id, "cancel")]
         session = self._session(req.session_id)
         await self._close(session, EpisodeStatus.CANCELLED)
-        return encode(EnvStep(finish=True, reward=0.0, status=EpisodeStatus.CANCELLED,
-                              messages=[], metrics={"turns": float(session.turns)}))
+        return self._remember((req.session_id, "cancel"), encode(EnvStep(
+            finish=True, reward=0.0, status=EpisodeStatus.CANCELLED, messages=[], metrics={"turns": float(session.turns)})))
 
     async def tasks(self, data: bytes) -> bytes:
         req = decode(data, EnvTaskList)
@@ -298,6 +328,16 @@ class EnvHost:
             return
         session.closed = True
         self.sessions.pop(session.session_id, None)
+        if session.running is not None and not session.running.done():  # a timed-out tool is still running
+            task = asyncio.create_task(self._free(session, status))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        else:
+            await self._free(session, status)
+
+    async def _free(self, session: Session, status: str) -> None:
+        if session.running is not None:
+            await asyncio.wait({session.running})  # never close an episode under its own running tool
         try:
             await asyncio.to_thread(session.episode.close)
         except Exception:

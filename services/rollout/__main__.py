@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
 import socket
 import sys
 from contextlib import AsyncExitStack
@@ -18,6 +17,7 @@ from services.rollout.engine import Engine, HFEngine
 from services.rollout.worker import RolloutWorker
 from shared.bus import connect, declare_topology, heartbeat_loop, replica_name
 from shared.config import JetRLConfig, from_argv
+from shared.lifecycle import close_connection, exit_code, install_stop, stop_if_connection_closed
 from shared.log import setup_logging
 from shared.model import load_tokenizer, quiet_transformers, resolve_model
 from shared.subjects import Subjects
@@ -29,8 +29,7 @@ async def main(argv: list[str]) -> None:
     log = setup_logging("rollout", replica_id, cfg.run.log_level, cfg.run.log_format)
     subjects = Subjects(cfg.nats.prefix)
     stop = asyncio.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    install_stop(stop, grace_s=8.0)  # gone within 10 s of SIGTERM, NATS or not
 
     quiet_transformers()
     model_path = await asyncio.to_thread(resolve_model, cfg.model)
@@ -61,7 +60,9 @@ async def main(argv: list[str]) -> None:
         if engine is not None:
             stack.callback(engine.close)
         nc = await connect(cfg.nats, replica_id, role="rollout")
-        stack.push_async_callback(nc.drain)
+        stack.push_async_callback(close_connection, nc)
+        watch = asyncio.create_task(stop_if_connection_closed(nc, stop))
+        stack.callback(watch.cancel)
         js = nc.jetstream()
         await declare_topology(js, subjects, cfg.nats, cfg.controller.heartbeat_ttl_s, role="rollout")
         worker = RolloutWorker(nc, js, subjects, cfg.rollout, engine, tokenizer, replica_id, model_path)
@@ -113,3 +114,4 @@ async def serve_openai(cfg: JetRLConfig, engine: Engine | None, tokenizer: Any, 
 
 if __name__ == "__main__":
     asyncio.run(main(sys.argv[1:]))
+    sys.exit(exit_code())

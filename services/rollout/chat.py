@@ -94,39 +94,32 @@ def render_observation(messages: list[dict[str, Any]]) -> str:
 
 
 def parse_assistant(text: str, turn: int) -> dict[str, Any]:
-    """OpenAI-format assistant message from generated text. A first ``<tool_call>`` whose JSON is broken is
-    passed on as ``invalid_tool_call`` so the env answers with a clear error observation. Several
-    well-formed ``<tool_call>`` blocks (parallel calls: BFCL, the API server) all land in ``tool_calls``,
-    in order (ids ``call_<turn>``, then ``call_<turn>_<i>``); a broken one after the first is dropped.
-    Envs run the first."""
-    blocks = TOOL_CALL.findall(text)
+    """OpenAI-format assistant message from generated text. A ``<tool_call>`` whose JSON is broken is
+    passed on as ``invalid_tool_call`` so the env answers with a clear error observation; several
+    ``<tool_call>``s are all passed on (ids ``call_<turn>``, then ``call_<turn>_<k>``): an episode that takes
+    the whole message runs them all (BFCL's parallel calls), any other refuses them with an error that says so."""
+    matches = TOOL_CALL.findall(text)
     content = TOOL_CALL.sub("", text).strip()
     message: dict[str, Any] = {"role": "assistant", "content": content}
-    if not blocks:
-        return message
     calls = []
-    for i, block in enumerate(blocks):
-        raw = block.strip()
+    for k, raw in enumerate(matches):
+        where = f"tool call {k + 1} of {len(matches)}: " if len(matches) > 1 else ""
         try:
-            call = json.loads(raw)
+            call = json.loads(raw.strip())
         except json.JSONDecodeError as exc:
-            if i == 0:
-                message["invalid_tool_call"] = (f"the text inside <tool_call> is not valid JSON ({exc.msg} "
-                                                f"at char {exc.pos})")
-                return message
-            continue
+            message["invalid_tool_call"] = f"{where}the text inside <tool_call> is not valid JSON ({exc.msg} at char {exc.pos})"
+            return message
         if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-            if i == 0:
-                message["invalid_tool_call"] = 'expected {"name": <function-name>, "arguments": {...}} inside <tool_call>'
-                return message
-            continue
+            message["invalid_tool_call"] = f'{where}expected {{"name": <function-name>, "arguments": {{...}}}} inside <tool_call>'
+            return message
         arguments = call.get("arguments", {})
         calls.append({
-            "id": f"call_{turn}" if i == 0 else f"call_{turn}_{i}", "type": "function",
+            "id": f"call_{turn}" if k == 0 else f"call_{turn}_{k}", "type": "function",
             "function": {"name": call["name"],
                          "arguments": arguments if isinstance(arguments, str) else json.dumps(arguments)},
         })
-    message["tool_calls"] = calls
+    if calls:
+        message["tool_calls"] = calls
     return message
 
 

@@ -31,7 +31,15 @@ from nats.micro.request import Request
 from services.rollout.chat import parse_assistant, render_observation, render_opening, render_tool_call
 from services.rollout.engine import Engine, Generation
 from services.rollout.openai_client import ContextLimit, OpenAIChatClient, history_after_turn
-from shared.bus import dead_letter, decode_or_dead_letter, publish_metrics, read_object
+from shared.bus import (
+    TRANSIENT,
+    dead_letter,
+    decode_or_dead_letter,
+    publish_metrics,
+    publish_retrying,
+    read_object,
+    retrying,
+)
 from shared.config import RolloutConfig
 from shared.envapi import ERROR_CODE_HEADER, ERROR_HEADER, EnvClient, EnvError
 from shared.messages import (
@@ -106,6 +114,7 @@ class RolloutWorker:
     async def run(self, stop: asyncio.Event) -> None:
         """Keep ``concurrency`` episodes going; fetch a job only when a slot is free (no hoarding)."""
         sub = await self.subscribe_jobs()
+        await self.handle_exhausted_jobs()
         slots = asyncio.Semaphore(self.cfg.concurrency)
         tasks: set[asyncio.Task[None]] = set()
         while not stop.is_set():
@@ -138,24 +147,69 @@ class RolloutWorker:
         except EnvError as exc:
             if exc.code in ("503", "504") and attempt < MAX_DELIVER:
                 log.warning("episode_retry_later", episode_id=job.episode_id, error=str(exc))
-                await msg.nak(delay=2.0 * attempt)
+                await self._nak(msg, 2.0 * attempt)
                 return
             traj = None
             log.error("episode_env_failed", episode_id=job.episode_id, error=str(exc))
             await self._publish_failed(job, str(exc))
         except asyncio.CancelledError:
             raise
+        except TRANSIENT as exc:  # the broker stayed away past every retry: not the episode's fault, play it again
+            log.warning("episode_retry_later", episode_id=job.episode_id, error=repr(exc))
+            await self._nak(msg, 2.0 * attempt)
+            return
         except Exception as exc:
             log.exception("episode_failed", episode_id=job.episode_id)
             await self._publish_failed(job, repr(exc))
             traj = None
         finally:
             self.active -= 1
-        await msg.ack_sync()
+        try:  # the trajectory is stored: a lost ack only means a replay that TRAJ deduplicates
+            await retrying("job_ack", msg.ack_sync)
+        except Exception as exc:
+            log.warning("job_ack_failed", episode_id=job.episode_id, error=repr(exc))
         self.episodes_done += 1
         if traj is not None:
             log.info("episode_done", task=job.task, episode_id=job.episode_id, reward=traj.reward,
                      status=traj.status, turns=len(traj.turns), tokens=len(traj.tokens), attempt=attempt)
+
+    @staticmethod
+    async def _nak(msg: Msg, delay_s: float) -> None:
+        try:
+            await msg.nak(delay=delay_s)
+        except Exception as exc:  # unreachable broker: the job comes back after its ack wait anyway
+            log.info("job_nak_failed", error=type(exc).__name__)
+
+    async def handle_exhausted_jobs(self) -> Any:
+        """A job whose every delivery failed silently (its replica died or stalled each time) would
+        vanish and leave its group waiting: on the server's max-deliveries advisory, one replica (a
+        queue group) dead-letters it, stores an ``env_error`` trajectory for it and removes it."""
+        subject = self.subjects.max_deliveries_advisory(self.subjects.jobs_stream, self.subjects.rollout_consumer)
+
+        async def on_advisory(msg: Msg) -> None:
+            try:
+                seq = int(json.loads(msg.data)["stream_seq"])
+                raw = await self.js.get_msg(self.subjects.jobs_stream, seq)
+            except Exception as exc:
+                log.warning("exhausted_job_unreadable", error=repr(exc))
+                return
+            reason = f"job ran out of its {MAX_DELIVER} deliveries (its replicas died or stalled each time)"
+            await dead_letter(self.js, self.subjects, service="rollout", origin_subject=raw.subject or "",
+                              reason=reason, payload=raw.data or b"")
+            try:
+                job = decode(raw.data or b"", EpisodeJob)
+                await self._publish_failed(job, reason)
+            except BadMessage:
+                pass  # already dead-lettered above, with its payload
+            except Exception as exc:
+                log.error("exhausted_job_not_stored", error=repr(exc))
+                return
+            try:
+                await self.js.delete_msg(self.subjects.jobs_stream, seq)
+            except Exception as exc:
+                log.warning("exhausted_job_delete_failed", seq=seq, error=repr(exc))
+
+        return await self.nc.subscribe(subject, queue="rollout-exhausted", cb=on_advisory)
 
     async def _publish_failed(self, job: EpisodeJob, reason: str) -> None:
         """An episode the env could not run still completes its group, with nothing to learn from."""
@@ -167,7 +221,21 @@ class RolloutWorker:
         log.warning("episode_env_error", episode_id=job.episode_id, reason=reason)
 
     async def _publish_trajectory(self, traj: Trajectory) -> None:
-        await self.js.publish(self.subjects.traj(traj.task), encode(traj), headers={"Nats-Msg-Id": traj.episode_id})
+        await publish_retrying(self.js, self.subjects.traj(traj.task), encode(traj),
+                               headers={"Nats-Msg-Id": traj.episode_id})
+
+    async def _publish_event(self, subject: str, payload: bytes, msg_id: str) -> None:
+        """An action or observation event; retried across a NATS restart, deduplicated by ``msg_id``."""
+        await publish_retrying(self.js, subject, payload, headers={"Nats-Msg-Id": msg_id})
+
+    @staticmethod
+    async def _touch(msg: Msg) -> None:
+        """Tell JetStream we still play this job. A failure (reconnecting) costs nothing: the next turn
+        touches it again, and ack_wait is far longer than a reconnect."""
+        try:
+            await msg.in_progress()
+        except Exception as exc:
+            log.info("job_touch_failed", error=type(exc).__name__)
 
     # ------------------------------------------------------------------ one episode
     async def play(self, job: EpisodeJob, attempt: int, msg: Msg | None = None) -> Trajectory:
@@ -213,16 +281,17 @@ class RolloutWorker:
                     buf.add([self.end_of_turn], None, trainable=False)
                 if action is None:
                     action = parse_assistant(self.tokenizer.decode(gen.tokens, skip_special_tokens=True), turn)
-                await self.js.publish(self.subjects.action(job.task, job.episode_id), encode(ActionEvent(
+                await self._publish_event(self.subjects.action(job.task, job.episode_id), encode(ActionEvent(
                     episode_id=job.episode_id, task=job.task, turn=turn, replica_id=self.replica_id,
                     engine_id=gen.engine_id, policy_version=gen.policy_version, message=action,
-                    opening=opening.messages if turn == 0 else [])))
-                step = await env.interact(opening.replica_id, session_id, action)
-                await self.js.publish(self.subjects.observation(job.task, job.episode_id), encode(ObservationEvent(
+                    opening=opening.messages if turn == 0 else [])),
+                    f"{session_id}-act-{turn}")
+                step = await env.interact(opening.replica_id, session_id, action, turn=turn)
+                await self._publish_event(self.subjects.observation(job.task, job.episode_id), encode(ObservationEvent(
                     episode_id=job.episode_id, task=job.task, turn=turn, messages=step.messages, reward=step.reward,
-                    finish=step.finish, status=step.status)))
+                    finish=step.finish, status=step.status)), f"{session_id}-obs-{turn}")
                 if msg is not None:
-                    await msg.in_progress()  # long episodes are not redelivered while we are alive
+                    await self._touch(msg)  # long episodes are not redelivered while we are alive
                 reward, status, metrics = step.reward, step.status, step.metrics
                 if self.chat_api is not None:
                     history.extend(history_after_turn(action, step.messages))
@@ -314,6 +383,20 @@ class RolloutWorker:
         self.turn_sources["local"] += 1
         return await self.engine.generate(tokens, job.max_new_tokens, job.temperature)
 
+    def _check_generate(self, req: GenerateRequest) -> str | None:
+        """Bounds the schema cannot know: token ids this tokenizer has, a context the engine can hold."""
+        vocab = len(self.tokenizer)
+        if not req.prompt:
+            return "generate_request.prompt: empty"
+        if max(req.prompt) >= vocab:
+            return f"generate_request.prompt: token id {max(req.prompt)} is outside the vocabulary ({vocab})"
+        if not 0 < req.max_new_tokens <= self.cfg.max_context_tokens - len(req.prompt):
+            return (f"generate_request.max_new_tokens: {req.max_new_tokens} does not fit the context "
+                    f"({len(req.prompt)} prompt tokens of {self.cfg.max_context_tokens})")
+        if not 0.0 <= req.temperature <= 10.0 or req.temperature != req.temperature:
+            return f"generate_request.temperature: {req.temperature} is outside [0, 10]"
+        return None
+
     async def serve_pool(self) -> Any:
         """Offer this replica's engine to the pool: requests from any replica, one turn each."""
         assert self.engine is not None
@@ -323,6 +406,10 @@ class RolloutWorker:
             async def run() -> None:
                 try:
                     req = decode(request.data, GenerateRequest)
+                    problem = self._check_generate(req)
+                    if problem:  # a hostile request must not reach the engine's shared batch
+                        await request.respond_error("400", problem)
+                        return
                     g = await engine.generate(req.prompt, req.max_new_tokens, req.temperature)
                     await request.respond(encode(GenerateReply(tokens=g.tokens, logprobs=g.logprobs,
                                                                finish_reason=g.finish_reason, engine_id=g.engine_id,
@@ -344,24 +431,64 @@ class RolloutWorker:
         return service
 
     # ------------------------------------------------------------------ weights
-    async def follow_weights(self) -> None:
-        """Load the latest version now, then every announced one (between turns, in engine order)."""
+    async def follow_weights(self, poll_s: float = 5.0) -> None:
+        """Watch the policy KV (the trainer writes it before announcing) and load the newest version
+        only: versions that came while one loaded are skipped. Watching the KV, rather than reading it
+        and then subscribing, cannot miss a version published in between; a slow poll of the same key
+        covers a watch that a NATS restart cut."""
+        newest: list[WeightsAnnouncement] = []
+        fresh = asyncio.Event()
         kv = await self.js.key_value(self.subjects.policy_kv)
-        try:
-            entry = await kv.get(self.subjects.policy_version_key)
-            if entry.value:
-                await self._load(decode(entry.value, WeightsAnnouncement))
-        except Exception as exc:  # no version yet: the initial weights are version 0
-            log.info("no_published_weights_yet", detail=type(exc).__name__)
-        sub = await self.nc.subscribe(self.subjects.weights_published)
-        async for msg in sub.messages:
+
+        def offer(data: bytes | None, origin: str) -> None:
+            if not data:
+                return
             try:
-                await self._load(decode(msg.data, WeightsAnnouncement))
+                note = decode(data, WeightsAnnouncement)
             except BadMessage as exc:
-                await dead_letter(self.js, self.subjects, service="rollout", origin_subject=msg.subject,
-                                  reason=exc.reason, payload=msg.data)
-            except Exception:
-                log.exception("weights_update_failed")
+                log.warning("bad_weights_entry", origin=origin, reason=exc.reason)
+                return
+            if not newest or note.version > newest[0].version:
+                newest[:] = [note]
+                fresh.set()
+
+        async def watch() -> None:
+            while True:
+                try:
+                    watcher = await kv.watch(self.subjects.policy_version_key)
+                    async for entry in watcher:
+                        if entry is not None:
+                            offer(entry.value, "watch")
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:  # the broker went away: watch again
+                    log.info("policy_watch_restart", error=type(exc).__name__)
+                    await asyncio.sleep(1.0)
+
+        async def poll() -> None:
+            while True:
+                try:
+                    offer((await kv.get(self.subjects.policy_version_key)).value, "poll")
+                except Exception as exc:  # no version yet (the initial weights are version 0), or reconnecting
+                    log.debug("policy_poll", detail=type(exc).__name__)
+                await asyncio.sleep(poll_s)
+
+        helpers = [asyncio.create_task(watch()), asyncio.create_task(poll())]
+        try:
+            while True:
+                await fresh.wait()
+                fresh.clear()
+                note = newest[0]
+                try:
+                    await self._load(note)
+                except Exception:
+                    log.exception("weights_update_failed", policy_version=note.version)
+                    await asyncio.sleep(1.0)
+                    if self.engine is not None and self.engine.policy_version < note.version:
+                        fresh.set()  # try the newest again (the next poll may bring a newer one)
+        finally:
+            for task in helpers:
+                task.cancel()
 
     async def _load(self, note: WeightsAnnouncement) -> None:
         async with self._weights_lock:

@@ -6,7 +6,6 @@ Exits after ``trainer.steps`` steps; ``jetrl up`` then stops the other services.
 from __future__ import annotations
 
 import asyncio
-import signal
 import sys
 from contextlib import AsyncExitStack
 from pathlib import Path
@@ -16,6 +15,7 @@ import torch
 from services.trainer.trainer import Trainer
 from shared.bus import connect, declare_topology, heartbeat_loop, replica_name
 from shared.config import from_argv
+from shared.lifecycle import close_connection, exit_code, install_stop, stop_if_connection_closed
 from shared.log import setup_logging
 from shared.messages import TrainingFinished, encode
 from shared.model import load_model, load_tokenizer, quiet_transformers, resolve_model
@@ -27,8 +27,7 @@ async def main(argv: list[str]) -> None:
     replica_id = replica_name("trainer")
     log = setup_logging("trainer", replica_id, cfg.run.log_level, cfg.run.log_format)
     stop = asyncio.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    install_stop(stop, grace_s=240.0)  # finishes its step and saves <run>/model first
 
     subjects = Subjects(cfg.nats.prefix)
     quiet_transformers()
@@ -46,11 +45,14 @@ async def main(argv: list[str]) -> None:
         raise SystemExit(f"unknown trainer.backend {cfg.trainer.backend!r} (torch | deepspeed)")
     async with AsyncExitStack() as stack:
         nc = await connect(cfg.nats, replica_id, role="trainer")
-        stack.push_async_callback(nc.drain)
+        stack.push_async_callback(close_connection, nc)
+        watch = asyncio.create_task(stop_if_connection_closed(nc, stop))
+        stack.callback(watch.cancel)
         js = nc.jetstream()
         await declare_topology(js, subjects, cfg.nats, cfg.controller.heartbeat_ttl_s, role="trainer")
         trainer = trainer_cls(nc, js, subjects, cfg.trainer, model, run_dir, replica_id)
         trainer.resume()  # a restarted trainer continues from its newest checkpoint
+        await trainer.adopt_announced_version()  # versions only go up, across restarts and trainers
         beat = asyncio.create_task(heartbeat_loop(js, subjects, "trainer", replica_id, {"steps": cfg.trainer.steps}))
         stack.callback(beat.cancel)
         log.info("trainer_ready", model=str(model_path), steps=cfg.trainer.steps, min_groups=cfg.trainer.min_groups)
@@ -67,3 +69,4 @@ async def main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     asyncio.run(main(sys.argv[1:]))
+    sys.exit(exit_code())

@@ -119,8 +119,16 @@ class DeepSpeedTrainer(Trainer):
             self._engine_backward(self._pending)
             self._pending = None
         self.engine.step()
+        self._stepped = True
         norm = self.engine.get_global_grad_norm()
         return float(norm) if norm is not None else 0.0
+
+    def _apply_lr_schedule(self) -> None:
+        """The warm-up ``train/lr`` reports, on the optimizer DeepSpeed steps (``self.optimizer`` is only
+        a facade without param_groups; ZeRO's optimizer exposes its inner one's)."""
+        lr = self.current_lr()
+        for group in getattr(self.engine.optimizer, "param_groups", []):
+            group["lr"] = lr
 
     def _engine_backward(self, loss: torch.Tensor) -> None:
         self.engine.backward(loss)

@@ -11,8 +11,10 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+import math
+import shutil
 import time
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -29,10 +31,10 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, ObjectMeta, Ob
 
 from services.trainer import rl
 from services.trainer.packing import PackedBatch, pack, packed_logprobs, plan_micro_batches, shareable_length
-from shared.bus import decode_or_dead_letter, publish_metrics
+from shared.bus import dead_letter, decode_or_dead_letter, publish_metrics, retrying
 from shared.config import TrainerConfig
 from shared.lm import PackedLM
-from shared.messages import EpisodeStatus, Trajectory, WeightsAnnouncement, encode
+from shared.messages import EpisodeStatus, Trajectory, WeightsAnnouncement, decode, encode
 from shared.model import (
     add_lora,
     bytes_to_weights,
@@ -85,7 +87,13 @@ class Trainer:
         self.step = 0
         self.policy_version = 0
         self.groups: dict[str, Group] = {}
-        self.seen_episodes: set[str] = set()
+        # episode id -> its group while held; ids of trained ones are kept (bounded) to drop duplicates
+        self.seen_episodes: OrderedDict[str, str] = OrderedDict()
+        self.in_step: list[Msg] = []  # the messages of the step being taken (acked after it)
+        self.vocab_size = _vocab_size(model)
+        self.counters: dict[str, float] = {"train/dead_lettered": 0.0, "train/nonfinite_skipped": 0.0}
+        self._step_nonfinite = False
+        self._stepped = False  # the optimizer really stepped in this training step
         self.metrics_file = run_dir / "metrics.jsonl"
         self.tensorboard = _tensorboard_writer(run_dir)  # the same rows as TensorBoard events, beside it
         # KL needs the policy we started from, frozen: with LoRA that is the model with its adapter off.
@@ -133,26 +141,126 @@ class Trainer:
         state = torch.load(latest / "trainer_state.pt", weights_only=False)
         self.optimizer.load_state_dict(state["optimizer"])
         self.step = int(state["step"])
-        self.policy_version = int(state.get("policy_version", self.step))
+        self.policy_version = max(int(state.get("policy_version", self.step)), self.recorded_version())
         log.info("trainer_resumed", checkpoint=str(latest), step=self.step, policy_version=self.policy_version)
         return True
+
+    def prune_checkpoints(self) -> None:
+        """Keep the newest ``trainer.keep_checkpoints`` (0 = all): a long run does not fill the disk."""
+        keep = self.cfg.keep_checkpoints
+        if keep <= 0:
+            return
+        for old in sorted((self.run_dir / "checkpoints").glob("step_*"))[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    # ------------------------------------------------------------------ versions
+    @property
+    def version_file(self) -> Path:
+        return self.run_dir / "policy_version"
+
+    def recorded_version(self) -> int:
+        """The highest version this run ever went to announce (0 = none)."""
+        try:
+            return int(self.version_file.read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            return 0
+
+    def record_version(self, version: int) -> None:
+        """Written (atomically) before version ``version`` is published."""
+        tmp = self.version_file.with_suffix(".tmp")
+        tmp.write_text(f"{version}\n")
+        tmp.replace(self.version_file)
+
+    async def adopt_announced_version(self) -> None:
+        """Resume above the highest version ever announced: the policy KV's (another trainer's, or ours
+        announced after our last checkpoint) and our own record, whichever is higher."""
+        announced = 0
+        try:
+            kv = await self.js.key_value(self.subjects.policy_kv)
+            entry = await kv.get(self.subjects.policy_version_key)
+            announced = decode(entry.value or b"", WeightsAnnouncement).version
+        except Exception as exc:  # no version yet, or an unreadable entry: our own record still holds
+            log.info("no_announced_version", detail=type(exc).__name__)
+        highest = max(self.policy_version, self.recorded_version(), announced)
+        if highest != self.policy_version:
+            log.info("policy_version_raised", checkpoint_version=self.policy_version, to=highest)
+            self.policy_version = highest
 
     # ------------------------------------------------------------------ intake
     async def subscribe(self) -> JetStreamContext.PullSubscription:
         config = ConsumerConfig(durable_name=self.subjects.trainer_consumer, ack_policy=AckPolicy.EXPLICIT,
-                                ack_wait=self.cfg.ack_wait_s, deliver_policy=DeliverPolicy.ALL, max_ack_pending=-1,
+                                ack_wait=self.cfg.ack_wait_s, max_deliver=self.cfg.max_deliver,
+                                deliver_policy=DeliverPolicy.ALL, max_ack_pending=-1,
                                 filter_subject=self.subjects.traj(">"))
+        try:  # a resumed run's consumer gets today's ack_wait and max_deliver, not the ones it was made with
+            await self.js.add_consumer(self.subjects.traj_stream, config)
+        except Exception as exc:
+            log.warning("trainer_consumer_not_updated", error=repr(exc))
         return await self.js.pull_subscribe(self.subjects.traj(">"), durable=self.subjects.trainer_consumer,
                                             stream=self.subjects.traj_stream, config=config)
+
+    def check(self, traj: Trajectory) -> str | None:
+        """What the schema cannot know: token ids inside this model's vocabulary, turn spans in order
+        and covering every trained token (and, again, finite numbers). A reason to refuse it, or None."""
+        if traj.tokens and self.vocab_size is not None and max(traj.tokens) >= self.vocab_size:
+            at = next(i for i, t in enumerate(traj.tokens) if t >= self.vocab_size)
+            return f"trajectory.tokens[{at}]: token id {traj.tokens[at]} is outside the vocabulary ({self.vocab_size})"
+        if not 0 <= traj.prompt_len <= len(traj.tokens):
+            return f"trajectory.prompt_len: {traj.prompt_len} is outside the {len(traj.tokens)} tokens"
+        end = 0
+        for k, turn in enumerate(traj.turns):
+            if turn.start < end or turn.end < turn.start:
+                return f"trajectory.turns[{k}]: span [{turn.start}, {turn.end}) overlaps or precedes the one before"
+            end = turn.end
+        in_turns = bytearray(len(traj.tokens))
+        for turn in traj.turns:
+            in_turns[turn.start:turn.end] = b"\x01" * (turn.end - turn.start)
+        stray = next((i for i, m in enumerate(traj.loss_mask) if m and not in_turns[i]), None)
+        if stray is not None:
+            return f"trajectory.loss_mask[{stray}]: a trained token outside every turn span"
+        if any(not math.isfinite(x) for x in traj.logprobs) or not math.isfinite(traj.reward):
+            return "trajectory: a non-finite logprob or reward"
+        return None
+
+    async def _refuse(self, msg: Msg, reason: str) -> None:
+        """Dead-letter a trajectory we will not train on and terminate it (never redelivered)."""
+        self.counters["train/dead_lettered"] += 1
+        await dead_letter(self.js, self.subjects, service="trainer", origin_subject=msg.subject, reason=reason,
+                          payload=msg.data)
+        try:
+            await msg.term()
+        except Exception as exc:
+            log.warning("term_failed", error=repr(exc))
 
     async def _intake(self, msg: Msg) -> None:
         traj = await decode_or_dead_letter(self.js, self.subjects, "trainer", msg, Trajectory)
         if traj is None:
+            self.counters["train/dead_lettered"] += 1
             return
-        if traj.episode_id in self.seen_episodes:  # a duplicate that slipped past the stream's window
+        delivered = msg.metadata.num_delivered if msg.metadata else 1
+        group_id = self.seen_episodes.get(traj.episode_id)
+        if group_id is not None:
+            group = self.groups.get(group_id)
+            if group is not None and traj.episode_id in group.items:  # held: keep the newest delivery to ack
+                group.items[traj.episode_id] = (traj, msg)
+            else:  # already trained on: a duplicate, or a redelivery whose ack was lost
+                await msg.ack()
+            return
+        if traj.split != "train":  # an eval run's episodes on the same prefix: not ours to train on, not bad
+            self.counters["train/skipped_other_split"] = self.counters.get("train/skipped_other_split", 0.0) + 1
             await msg.ack()
             return
-        self.seen_episodes.add(traj.episode_id)
+        if delivered >= self.cfg.max_deliver:
+            await self._refuse(msg, f"delivered {delivered} times (trainer.max_deliver) without being trained on: "
+                                    "the trainer stopped or crashed each time it held it")
+            return
+        reason = self.check(traj)
+        if reason is not None:
+            await self._refuse(msg, reason)
+            return
+        self.seen_episodes[traj.episode_id] = traj.group_id
+        while len(self.seen_episodes) > self.cfg.dedupe_window:  # bounded: older ids are past TRAJ's window too
+            self.seen_episodes.popitem(last=False)
         group = self.groups.setdefault(traj.group_id, Group(traj.group_id, traj.group_size))
         group.items[traj.episode_id] = (traj, msg)
 
@@ -161,43 +269,73 @@ class Trainer:
         ready = [g for g in self.groups.values() if g.complete() or now - g.first_seen > self.cfg.group_timeout_s]
         return sorted(ready, key=lambda g: g.first_seen)
 
+    async def keep_held(self, stop: asyncio.Event) -> None:
+        """``in_progress`` for every trajectory we hold (waiting groups and the step being taken), every
+        quarter of ack_wait: while we live nothing is redelivered; when we die it all is, within ack_wait."""
+        every = max(0.5, self.cfg.ack_wait_s / 4)
+        while not stop.is_set():
+            await asyncio.sleep(every)
+            held = [m for g in list(self.groups.values()) for _, m in list(g.items.values())] + list(self.in_step)
+            for msg in held:
+                try:
+                    await msg.in_progress()
+                except Exception as exc:  # reconnecting: the next round touches them again
+                    log.info("touch_failed", error=type(exc).__name__)
+                    break
+
     async def run(self, stop: asyncio.Event) -> None:
         sub = await self.subscribe()
-        last_touch = time.monotonic()
-        while not stop.is_set() and self.step < self.cfg.steps:
-            try:
-                for msg in await sub.fetch(64, timeout=0.5):
-                    await self._intake(msg)
-            except (TimeoutError, NatsTimeout):
-                pass
-            if time.monotonic() - last_touch > 30:  # held, not forgotten: no redelivery while we live
-                last_touch = time.monotonic()
-                for group in self.groups.values():
-                    for _, msg in group.items.values():
-                        await msg.in_progress()
-            ready = self.ready_groups()
-            if len(ready) >= self.cfg.min_groups:
-                batch = ready[: self.cfg.max_groups]
-                for g in batch:
-                    del self.groups[g.group_id]
-                await self.train_step(batch)
+        keeper = asyncio.create_task(self.keep_held(stop))
+        try:
+            while not stop.is_set() and self.step < self.cfg.steps:
+                try:
+                    for msg in await sub.fetch(64, timeout=0.5):
+                        await self._intake(msg)
+                except (TimeoutError, NatsTimeout):
+                    pass
+                except Exception as exc:  # broker restarting: wait and retry
+                    log.warning("trajectory_fetch_failed", error=repr(exc))
+                    await asyncio.sleep(0.5)
+                    continue
+                ready = self.ready_groups()
+                if len(ready) >= self.cfg.min_groups:
+                    batch = ready[: self.cfg.max_groups]
+                    for g in batch:
+                        del self.groups[g.group_id]
+                    await self.train_step(batch)
+        finally:
+            keeper.cancel()
 
     # ------------------------------------------------------------------ one step
     async def train_step(self, groups: list[Group]) -> dict[str, Any]:
         started = time.monotonic()
         trajs = [t for g in groups for t, _ in g.items.values()]
+        self.in_step = [m for g in groups for _, m in g.items.values()]
+        self._step_nonfinite = self._stepped = False
         stats = await asyncio.to_thread(self._optimise, trajs)
         self.step += 1
-        self.policy_version = self.step
+        # A version names one set of weights forever: a new one only after a real optimizer step (a batch
+        # without signal or with a non-finite loss changed nothing), and recorded before it is announced,
+        # so a trainer restarted from an older checkpoint never announces the same number again.
+        updated = self._stepped and not self._step_nonfinite
+        if updated:
+            self.policy_version += 1
+            self.record_version(self.policy_version)
         # SFT plays the envs' oracles: no engine reads the weights until the run's model is exported
-        publish_s = await self.publish_weights() if self.cfg.mode == "rl" else 0.0
+        publish_s = await self.publish_weights() if self.cfg.mode == "rl" and updated else 0.0
         if self.cfg.checkpoint_every and self.step % self.cfg.checkpoint_every == 0 or self.step == self.cfg.steps:
             await asyncio.to_thread(save_checkpoint, self.trained_weights(), self.optimizer, self.step,
                                     self.run_dir / "checkpoints" / f"step_{self.step:06d}",
                                     {"policy_version": self.policy_version})
+            await asyncio.to_thread(self.prune_checkpoints)
         for g in groups:
             for _, msg in g.items.values():
-                await msg.ack()
+                try:
+                    await retrying("trajectory_ack", msg.ack)
+                except Exception as exc:  # redelivered later, then acked as already trained on
+                    log.warning("trajectory_ack_failed", error=repr(exc))
+        self.in_step = []
+        stats.update(self.counters)
         stats.update({"train/step_s": time.monotonic() - started, "train/publish_s": publish_s,
                       "train/groups": float(len(groups)), "train/waiting_groups": float(len(self.groups))})
         self._record(stats)
@@ -301,6 +439,9 @@ class Trainer:
                     kl = rl.kl_k3(logp, reference[k]).sum() / part_tokens
                     loss = loss + self.cfg.kl_coef * kl
                     totals["kl_ref"] += float(kl.detach()) / len(parts)
+                if not math.isfinite(float(loss.detach())):
+                    self._skip_nonfinite(f"loss {float(loss.detach())}")
+                    continue
                 self.backward(loss)
                 totals["loss"] += float(loss.detach()) / len(parts)
                 totals["clipped"] += st["clipped"]
@@ -333,6 +474,9 @@ class Trainer:
             is_own = torch.cat([torch.tensor(own[i], dtype=torch.bool)[_positions(scored[i])] for i in mb.order])
             # normalised by the assistant tokens alone: the context term adds to, never dilutes, the SFT loss
             loss = -(logp[is_own].sum() + context_weight * logp[~is_own].sum()) / num_tokens
+            if not math.isfinite(float(loss.detach())):
+                self._skip_nonfinite(f"loss {float(loss.detach())}")
+                continue
             self.backward(loss)
             total += float(-logp[is_own].detach().sum()) / num_tokens
             context_total += float(-logp[~is_own].detach().sum())
@@ -378,10 +522,22 @@ class Trainer:
             group["lr"] = self.current_lr()
 
     def optimizer_step(self) -> float:
-        """Clip, step; the gradient norm before clipping."""
+        """Clip, step; the gradient norm before clipping. A non-finite gradient (or loss) skips the step:
+        the weights stay as they were, the step is counted (``train/nonfinite_skipped``)."""
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm))
+        if not math.isfinite(grad_norm) or self._step_nonfinite:
+            self._skip_nonfinite(f"gradient norm {grad_norm}")
+            return 0.0
         self.optimizer.step()
+        self._stepped = True
         return grad_norm
+
+    def _skip_nonfinite(self, what: str) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        if not self._step_nonfinite:
+            self.counters["train/nonfinite_skipped"] += 1
+            log.warning("nonfinite_step_skipped", step=self.step + 1, what=what)
+        self._step_nonfinite = True
 
     # ------------------------------------------------------------------ weights and records
     async def publish_weights(self) -> float:
@@ -393,11 +549,13 @@ class Trainer:
         name = self.subjects.weights_object(self.policy_version)
         # 1 MiB chunks: ~1.6x the put rate and faster reads than nats-py's 128 KiB default
         # (docs/benchmarks/scale_out.md); well under the server's max_payload.
-        await store.put(name, data, meta=ObjectMeta(name=name, options=ObjectMetaOptions(max_chunk_size=1024 * 1024)))
+        meta = ObjectMeta(name=name, options=ObjectMetaOptions(max_chunk_size=1024 * 1024))
+        # retried across a NATS restart: a put again replaces the object, the KV write and announcement repeat
+        await retrying("weights_put", lambda: store.put(name, data, meta=meta))
         note = WeightsAnnouncement(version=self.policy_version, object_name=name, digest=digest(data), size=len(data),
                                    dtype=self.cfg.broadcast_dtype, format="lora" if self.lora else "full")
         kv = await self.js.key_value(self.subjects.policy_kv)
-        await kv.put(self.subjects.policy_version_key, encode(note))
+        await retrying("policy_kv_put", lambda: kv.put(self.subjects.policy_version_key, encode(note)))
         await self.nc.publish(self.subjects.weights_published, encode(note))
         old = self.policy_version - self.cfg.keep_weight_versions
         if old >= 1:
@@ -424,6 +582,12 @@ class Trainer:
                 scalars.update({f"{key}/{i}": float(x) for i, x in enumerate(values)})
         asyncio.get_running_loop().create_task(
             publish_metrics(self.nc, self.subjects, "trainer", self.replica_id, self.step, scalars))
+
+
+def _vocab_size(model: Any) -> int | None:
+    """Rows of the model's input embedding: a token id at or past it would crash the forward pass."""
+    embeddings = getattr(model, "get_input_embeddings", None)
+    return int(embeddings().num_embeddings) if callable(embeddings) else None
 
 
 def _positions(marks: list[int]) -> list[int]:
