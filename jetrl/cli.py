@@ -198,7 +198,8 @@ def _bar(done: int, total: int, width: int = 24) -> str:
 async def _follow_progress(cfg: JetRLConfig, url: str, sup: Supervisor, stop: asyncio.Event,
                            main_role: str = "trainer") -> int:
     subjects = Subjects(cfg.nats.prefix)
-    nc = await connect(cfg.nats, "jetrl-up", url=url, role="observer")
+    # admin: besides reading, `jetrl up` reports its restarts on metrics.supervisor (it made the users)
+    nc = await connect(cfg.nats, "jetrl-up", url=url, role="admin")
     reports: asyncio.Queue[MetricsReport] = asyncio.Queue()
 
     async def on_metrics(msg: Any) -> None:

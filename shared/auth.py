@@ -11,7 +11,7 @@ Roles and what they may do (JetStream API, KV and object-store internals include
 * ``rollout``: pulls JOBS through the shared durable consumer; publishes actions, observations and
   trajectories; calls env and generation-pool endpoints, serves the pool; reads the weights.
 * ``env``: serves the env endpoints (NATS micro), answers only the requests it receives.
-* ``observer`` (``jetrl watch``, ``jetrl up``'s progress lines, any trajectory-stream reader): reads
+* ``observer`` (``jetrl watch``, any trajectory-stream reader): reads
   TRAJ, EPISODES, DLQ, metrics and announcements; publishes nothing but its own ephemeral consumers'
   API requests, never on a durable consumer of a service.
 * ``admin``: everything; declares the topology (streams and buckets) before the services start, since
@@ -140,7 +140,10 @@ def role_permissions(subjects: Subjects, role: str) -> Permissions:
                 f"{s.prefix}.env.>", f"{s.prefix}.gen.>", *_durable(s.jobs_stream, s.rollout_consumer),
                 *_stream_read(kv_policy), *_ephemeral_consumers(kv_policy),  # the policy KV: read and watch
                 *_stream_read(obj_weights), *_ephemeral_consumers(obj_weights)]
-        sub += [s.weights_published, s.training_finished, f"{s.prefix}.gen.>", "$SRV.>"]
+        # a job out of deliveries (the server's advisory): read it back, dead-letter it, delete it (worker.py)
+        pub += [f"{API}.STREAM.MSG.GET.{s.jobs_stream}", f"{API}.STREAM.MSG.DELETE.{s.jobs_stream}"]
+        sub += [s.weights_published, s.training_finished, f"{s.prefix}.gen.>", "$SRV.>",
+                s.max_deliveries_advisory(s.jobs_stream, s.rollout_consumer)]
     elif role == "env":
         sub += [f"{s.prefix}.env.>", "$SRV.>"]
     return Permissions(publish=tuple(pub), subscribe=tuple(sub))
