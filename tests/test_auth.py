@@ -383,6 +383,7 @@ def test_jetrl_up_runs_with_auth_and_a_forged_announcement_neither_ends_nor_reac
     cfg.controller.group_size = 2
     cfg.controller.max_inflight = 4
     cfg.rollout.max_new_tokens = 12
+    cfg.trainer.kl_coef = 0.01  # all-zero rewards still move the weights: a real step, a real new version
     cfg.rollout.concurrency = 2
     cfg.trainer.steps = 2
     cfg.trainer.min_groups = 1
