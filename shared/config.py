@@ -295,6 +295,8 @@ class ControllerConfig:
     http_port: int = opt(0, "status API port; 0 = pick a free one (written to the run dir)")
     episode_timeout_s: float = opt(3600.0, "an episode unfinished this long after publishing is written off as lost")
     heartbeat_ttl_s: float = opt(10.0, "a replica missing heartbeats this long is dropped from the registry")
+    env_wait_s: float = opt(120.0, "wait this long for each task's env service to list its tasks before failing "
+                                   "(a first start may build task data: KG ~2-4 min on 2 busy cores)")
 
 
 @dataclass

@@ -113,6 +113,9 @@ def stack() -> Iterator[Stack]:
     env = {**os.environ,
            "JETRL_LOCAL_NATS_PORT": str(nats_port), "JETRL_LOCAL_NATS_MONITOR_PORT": str(monitor_port),
            "JETRL_LOCAL_HTTP_PORT": str(http_port),
+           # the classic builder: its layer cache is the one `docker build` (make setup-docker) filled, and an
+           # engine without the buildx plugin (Debian's docker.io) builds with it anyway
+           "DOCKER_BUILDKIT": os.environ.get("DOCKER_BUILDKIT", "0"),
            # enough steps that the run is still going when the checks end; `down` stops it
            "JETRL_LOCAL_TRAINER_STEPS": os.environ.get("JETRL_LOCAL_TRAINER_STEPS", "1000")}
     s = Stack(project=f"jetrl-test-{os.getpid()}", env=env, http=f"http://127.0.0.1:{http_port}")
