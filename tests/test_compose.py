@@ -51,8 +51,35 @@ def test_compose_services_use_real_entry_points_and_config_keys() -> None:
 def test_dockerfile_copies_what_exists_and_runs_as_non_root() -> None:
     text = DOCKERFILE.read_text()
     for src in re.findall(r"^COPY\s+(\S+(?:\s+\S+)*?)\s+\S+$", text, flags=re.M):
+        if "--from=" in src:  # from an earlier build stage, not the context
+            continue
         for path in src.split():
             assert (REPO / path).exists(), f"COPY source {path} missing"
     assert re.search(r"^USER\s+(?!root)\S+", text, flags=re.M)
     assert 'ENTRYPOINT ["python", "-m"]' in text
     assert "torch==" in text  # pinned before anything that depends on it
+
+
+def test_local_profile_puts_every_service_on_the_host_network_off_the_host_nats_ports() -> None:
+    """compose/docker-compose.local.yml (make test-compose runs it for real): every service of the main file
+    on host networking, no published ports, NATS and the status API off 4222/8222 (a host NATS may hold them)."""
+    class Loader(yaml.SafeLoader):
+        pass
+
+    Loader.add_constructor("!reset", lambda loader, node: None)  # compose's reset tag
+    local = yaml.load((REPO / "compose" / "docker-compose.local.yml").read_text(), Loader=Loader)
+    main = yaml.safe_load(COMPOSE.read_text())
+    assert set(local["services"]) == set(main["services"])
+    text = (REPO / "compose" / "docker-compose.local.yml").read_text()
+    for name, svc in local["services"].items():
+        assert svc["network_mode"] == "host", name
+        assert svc.get("ports") is None, name
+    ports = dict(re.findall(r"\$\{(JETRL_LOCAL_\w*PORT):-(\d+)\}", text))
+    assert set(ports) == {"JETRL_LOCAL_NATS_PORT", "JETRL_LOCAL_NATS_MONITOR_PORT", "JETRL_LOCAL_HTTP_PORT"}
+    assert not set(ports.values()) & {"4222", "8222"}, ports
+    nats = " ".join(local["services"]["nats"]["command"])
+    assert "-js" in nats and "--max_payload" not in nats  # max_payload is a config-file setting, not a flag
+    conf = (REPO / "compose" / "nats-local.conf").read_text()
+    from shared.messages import MAX_MESSAGE_BYTES
+
+    assert int(re.search(r"max_payload:\s*(\d+)", conf).group(1)) >= MAX_MESSAGE_BYTES
