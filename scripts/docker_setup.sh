@@ -114,10 +114,12 @@ if [ ! -f "$cached/requirements.txt" ]; then
     [ -x .venv/bin/python ] && pybin=.venv/bin/python
     [ -n "$pybin" ] || { log "no $PY on the host to build the wheelhouse with"; exit 1; }
     rm -rf "$cached.tmp"
+    had_build=$([ -e build ] && echo 1 || true)
     # torch pinned: the CPU build is 2.13.0+cpu; a bare `torch` could resolve to a CUDA build
     "$pybin" -m pip wheel -q --disable-pip-version-check --wheel-dir "$cached.tmp" \
         torch==2.13.0 setuptools wheel ".[${EXTRAS}]" 2> >(grep -v "^WARNING: Location" >&2)
     rm -f "$cached.tmp"/jetrl-*.whl  # the project itself is installed from the build context
+    [ -n "$had_build" ] || rm -rf build ./*.egg-info  # setuptools' in-tree leftovers of building it
     if ls "$cached.tmp" | grep -qE '^nvidia_|^torch-.*cu[0-9]+'; then
         log "the wheelhouse holds CUDA wheels: torch 2.13.0 CPU expected"; exit 1
     fi
