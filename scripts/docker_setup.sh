@@ -65,7 +65,7 @@ if ! docker info >/dev/null 2>&1; then
         # shellcheck disable=SC2086  # flags are words
         setsid dockerd $flags --pidfile "$DOCKER_STATE/dockerd.pid" >>"$DOCKER_STATE/dockerd.log" 2>&1 < /dev/null &
         pid=$!
-        for _ in $(seq 40); do
+        for _ in $(seq 120); do  # up to 60 s: a busy machine starts it slowly, and vfs would lose the overlay2 cache
             if docker info >/dev/null 2>&1; then started="$flags"; break; fi
             kill -0 "$pid" 2>/dev/null || break
             sleep 0.5
