@@ -12,5 +12,6 @@ setup-os: venv
 setup-os-packages: setup-os
 	$(BIN)/python -m services.envs.os_task.setup packages $(OS_DATA_ARG)
 
-setup-os-docker: venv
+# FROM ubuntu:22.04 where it can be pulled, else FROM the Debian base image setup-docker builds
+setup-os-docker: venv setup-docker
 	$(BIN)/python -m services.envs.os_task.setup docker

@@ -256,4 +256,8 @@ if __name__ == "__main__":  # the compose config, for the default prefix
     import sys
 
     prefix = sys.argv[1] if len(sys.argv) > 1 else "jetrl"
-    sys.stdout.write(COMPOSE_HEADER + server_authorization(Subjects(prefix)))
+    from shared.messages import MAX_MESSAGE_BYTES
+
+    # max_payload is a config-file setting, not a nats-server flag: the codec's largest message must pass
+    payload = MAX_MESSAGE_BYTES + 64 * 1024  # as shared/natsd.py: the codec's limit plus headers
+    sys.stdout.write(COMPOSE_HEADER + f"max_payload: {payload}\n" + server_authorization(Subjects(prefix)))

@@ -290,6 +290,10 @@ async def publish_metrics(nc: Client, subjects: Subjects, role: str, replica_id:
 def replica_name(role: str) -> str:
     """A replica id unique on this cluster: role, host and pid (subject-token safe)."""
     host = socket.gethostname().split(".")[0].replace("_", "-")
+    if os.path.exists("/.dockerenv"):
+        # In a container the pid is 1 or so, and with host networking (compose's local profile) every replica
+        # has the host's hostname: two replicas of a role would share an id. A random token keeps them apart.
+        return f"{role}-{host}-{os.getpid()}-{os.urandom(3).hex()}"
     return f"{role}-{host}-{os.getpid()}"
 
 

@@ -335,6 +335,8 @@ class ControllerConfig:
     heartbeat_ttl_s: float = opt(10.0, "a replica missing heartbeats this long is dropped from the registry")
     http_token: str = opt("", "bearer token the status API requires (Authorization: Bearer ...); empty = none")
     http_token_file: str = opt("", "file holding http_token (a Docker secret), instead of http_token")
+    env_wait_s: float = opt(120.0, "wait this long for each task's env service to list its tasks before failing "
+                                   "(a first start may build task data: KG ~2-4 min on 2 busy cores)")
 
 
 @dataclass

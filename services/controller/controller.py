@@ -128,7 +128,7 @@ class Controller:
         return out
 
     async def publish_jobs(self, stop: asyncio.Event) -> None:
-        task_ids = await self.fetch_task_ids()
+        task_ids = await self.fetch_task_ids(self.cfg.controller.env_wait_s)
         planner = Planner(self.cfg.controller.tasks, task_ids, self.cfg.run.seed)
         self.state = "running"
         await self.nc.publish(self.subjects.run_control, encode(RunControl(event="started", info={

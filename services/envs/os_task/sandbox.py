@@ -437,19 +437,63 @@ RUN apt-get update && apt-get install -y --no-install-recommends python3 python3
     tree procps passwd ca-certificates {extra} && rm -rf /var/lib/apt/lists/*
 WORKDIR /root
 """
+# Where ubuntu:22.04 cannot be pulled (no registry reachable): the Debian base image of `make setup-docker`
+# (mmdebstrap + docker import) with the bwrap rootfs's packages, so both backends run the same system. PATH
+# is the plain system one: the base's Python venv (/opt/python) is the JetRL image's, not the task's.
+DEBIAN_DOCKERFILE = """FROM {base}
+ENV DEBIAN_FRONTEND=noninteractive PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
+RUN apt-get update && apt-get install -y --no-install-recommends {packages} ca-certificates \
+    && rm -rf /var/lib/apt/lists/*
+WORKDIR /root
+CMD ["bash"]
+"""
+DEBIAN_BASE = "jetrl-base:bookworm-py3.11"  # built by scripts/docker_setup.sh
+DEV_NODES = ("null", "zero", "full", "random", "urandom")
 
 
-def build_docker_images(prefix: str = "jetrl-os") -> list[str]:
-    """Build ``<prefix>/default`` and ``<prefix>/packages`` (adds npm), as AgentBench's images."""
+def build_docker_images(prefix: str = "jetrl-os", base: str | None = None,
+                        variants: tuple[str, ...] = ("default", "packages")) -> list[str]:
+    """Build ``<prefix>/default`` and ``<prefix>/packages`` (adds npm), as AgentBench's images: FROM
+    ubuntu:22.04 when it can be pulled, else FROM ``base`` (default: the local Debian base image). Docker's
+    layer cache makes a second call quick."""
     import docker  # optional: only the docker backend needs it
 
     client = docker.from_env()
+    if base is None:
+        try:
+            client.images.pull("ubuntu", tag="22.04")
+        except Exception as exc:  # no registry here: the local Debian base
+            log.info("os_docker_no_ubuntu_image", error=str(exc)[:200], base=DEBIAN_BASE)
+            base = DEBIAN_BASE
+    if base is not None:
+        try:
+            client.images.get(base)
+        except Exception as exc:
+            raise SandboxError(f"base image {base!r} not found: `make setup-docker` builds it") from exc
     tags = []
-    for variant, extra in (("default", ""), ("packages", "npm")):
+    for variant in variants:
         tag = f"{prefix}/{variant}"
-        client.images.build(fileobj=io.BytesIO(DOCKERFILE.format(extra=extra).encode()), tag=tag, rm=True)
+        if base is None:
+            text = DOCKERFILE.format(extra="npm" if variant == "packages" else "")
+        else:
+            text = DEBIAN_DOCKERFILE.format(base=base, packages=" ".join(VARIANT_PACKAGES[variant]))
+        t0 = time.monotonic()
+        # host network for apt-get: works on engines started without a bridge (--bridge=none) too
+        client.images.build(fileobj=io.BytesIO(text.encode()), tag=tag, rm=True, network_mode="host")
+        log.info("os_docker_image_built", tag=tag, base=base or "ubuntu:22.04", seconds=round(time.monotonic() - t0, 1))
         tags.append(tag)
     return tags
+
+
+def docker_disk_cap(client: Any, disk_mb: int) -> dict[str, str] | None:
+    """``storage_opt`` capping a container's writable layer, where the engine can (overlay2 on xfs with
+    pquota, btrfs, zfs, devicemapper); None elsewhere (overlay2 on ext4 here): the cap is then not enforced."""
+    info = client.info()
+    driver = info.get("Driver", "")
+    backing = dict(info.get("DriverStatus") or []).get("Backing Filesystem", "")
+    if driver in ("btrfs", "zfs", "devicemapper") or (driver == "overlay2" and backing == "xfs"):
+        return {"size": f"{disk_mb}m"}
+    return None
 
 
 class DockerSandbox(Sandbox):
@@ -458,28 +502,39 @@ class DockerSandbox(Sandbox):
 
         self.hostname = hostname
         self.client = docker.from_env()
-        self.container = self.client.containers.run(
-            image, entrypoint=["/bin/sleep"], command=["infinity"], detach=True, remove=True, user="root",
+        config = json.dumps({"hostname": hostname, "nofile": limits.nofile, "fsize": limits.file_mb << 20,
+                             "pids": limits.pids})
+        # sandboxd is the container's pid 1, as in bwrap: the kernel ignores kill -9 from inside the pid
+        # namespace, and orphans (a fork bomb's) are reparented to it and reaped. It speaks over the
+        # container's attached stdin/stdout; the file goes in before the start.
+        self.container = self.client.containers.create(
+            image, entrypoint=["python3", "-I", "/run/jetrl/sandboxd.py"], command=[], stdin_open=True, tty=False,
+            auto_remove=True, user="root", environment={"JETRL_SANDBOX": config},
             working_dir="/root", hostname=hostname, network_disabled=True, mem_limit=f"{limits.memory_mb}m",
-            memswap_limit=f"{limits.memory_mb}m", pids_limit=limits.pids, nano_cpus=2_000_000_000,
-            cap_drop=["MKNOD"], labels={"created_by": "jetrl-os"})
+            memswap_limit=f"{limits.memory_mb}m", pids_limit=limits.pids, nano_cpus=int(limits.cpus * 1e9),
+            # as the bwrap backend: Docker's default caps less MKNOD, no_new_privs (Docker's default seccomp
+            # profile, /proc/sys read-only and its masked /proc paths come with every container)
+            cap_drop=["MKNOD"], security_opt=["no-new-privileges:true"], labels={"created_by": "jetrl-os"},
+            # bind-mounted like bwrap's --dev: `rm -rf /` cannot unlink them (sandboxd's shell reads /dev/null)
+            volumes={f"/dev/{d}": {"bind": f"/dev/{d}", "mode": "rw"} for d in DEV_NODES},
+            **({"storage_opt": disk} if (disk := docker_disk_cap(self.client, limits.disk_mb)) else {}))
         self.closed = False
         try:
             data = io.BytesIO()
             with tarfile.open(fileobj=data, mode="w") as tar:
+                folder = tarfile.TarInfo("jetrl")
+                folder.type, folder.mode = tarfile.DIRTYPE, 0o755
+                tar.addfile(folder)
                 body = SANDBOXD.read_bytes()
-                info = tarfile.TarInfo("sandboxd.py")
-                info.size = len(body)
+                info = tarfile.TarInfo("jetrl/sandboxd.py")
+                info.size, info.mode = len(body), 0o644
                 tar.addfile(info, io.BytesIO(body))
-            self.container.exec_run(["mkdir", "-p", "/run/jetrl"])
-            self.container.put_archive("/run/jetrl", data.getvalue())
-            config = json.dumps({"hostname": hostname, "nofile": limits.nofile, "fsize": limits.file_mb << 20,
-                                 "pids": limits.pids})
-            exec_id = self.client.api.exec_create(self.container.id, ["python3", "-I", "/run/jetrl/sandboxd.py"],
-                                                  stdin=True, tty=False, environment={"JETRL_SANDBOX": config})["Id"]
-            self.sock: socket.socket = self.client.api.exec_start(exec_id, socket=True)._sock
+            self.container.put_archive("/run", data.getvalue())
+            self.sock: socket.socket = self.container.attach_socket(
+                params={"stdin": 1, "stdout": 1, "stderr": 1, "stream": 1})._sock
             self._frames = b""
             self._buf = b""
+            self.container.start()
             hello = json.loads(self._recv(start_timeout))
             if hello.get("op") != "ready":
                 raise SandboxError(f"sandbox did not start: {hello}")
@@ -521,7 +576,13 @@ class DockerSandbox(Sandbox):
         if self.closed:
             return
         self.closed = True
-        try:
-            self.container.kill()
+        sock = getattr(self, "sock", None)
+        if sock is not None:
+            try:
+                sock.close()
+            except OSError:
+                pass
+        try:  # force-remove: also a container that was created but never started (auto_remove needs a start)
+            self.container.remove(force=True)
         except Exception as exc:  # already gone
-            log.debug("os_docker_kill_failed", error=str(exc))
+            log.debug("os_docker_remove_failed", error=str(exc))

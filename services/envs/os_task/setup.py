@@ -3,6 +3,7 @@ bwrap rootfs (cached; a second run is a no-op) or the Docker images, and print w
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -14,7 +15,8 @@ def main(argv: list[str]) -> None:
     cfg, (what,) = from_argv(argv, positional=1)
     env = cfg.env
     if what == "docker":
-        print("\n".join(build_docker_images(env.os.docker_prefix)))
+        # JETRL_BASE_IMAGE: a base to build FROM instead of ubuntu:22.04 (make setup-docker's Debian one)
+        print("\n".join(build_docker_images(env.os.docker_prefix, os.environ.get("JETRL_BASE_IMAGE") or None)))
         return
     cache = Path(env.data_dir or Path.home() / ".cache" / "jetrl" / "data").expanduser() / "os"
     print(ensure_rootfs(cache, what, env.os.suite, env.os.mirror))
