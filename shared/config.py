@@ -93,8 +93,11 @@ class OSTaskConfig:
     pids: int = opt(256, "process cap of one episode's sandbox (a fork bomb stops here)")
     disk_mb: int = opt(512, "size of one episode's writable layer (tmpfs under the overlay)")
     cpus: float = opt(1.0, "CPU share of one episode's sandbox")
-    agentbench_train: list[str] = opt([], "AgentBench OS task files (.json/.jsonl) added to the train split")
-    agentbench_test: list[str] = opt([], "AgentBench OS task files (.json/.jsonl) added to the test split")
+    agentbench_train: list[str] = opt([], "AgentBench OS task files (.json/.jsonl) added to the train split; each "
+                                          "a file or glob, optionally =SCRIPTS_DIR (else AgentBench's layout: "
+                                          "data/<N>/*.json -> scripts/<N>/)")
+    agentbench_test: list[str] = opt([], "AgentBench OS task files (.json/.jsonl) added to the test split (as "
+                                         "agentbench_train)")
     levels: list[int] = opt([], "difficulty levels the generated splits keep (1-3); empty = all")
 
 

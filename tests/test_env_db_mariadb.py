@@ -258,4 +258,4 @@ def test_agentbench_dev_statements_agree_on_both_backends(server, agentbench: Pa
         finally:
             db.close()
             lite.close()
-    assert same >= 59, differ  # measured: see docs/benchmarks/db.md
+    assert same == 60, differ  # see docs/benchmarks/db.md

@@ -20,6 +20,7 @@ import hashlib
 import io
 import json
 import os
+import resource
 import select
 import shutil
 import signal
@@ -49,6 +50,8 @@ CAPS = ["CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FSETID", "CAP_FOWNER", "CAP_SETGID
 PROC_MASKED = ["/proc/sysrq-trigger", "/proc/kcore", "/proc/keys", "/proc/timer_list", "/proc/sched_debug",
                "/proc/latency_stats"]
 
+
+SANDBOXD_HIDDEN = ["/proc/1/fdinfo", "/proc/1/map_files", "/proc/1/task/1/fdinfo"]
 
 ROOTFS_RECIPE = 2  # bump when the build below changes: the cache key includes it
 
@@ -92,6 +95,20 @@ def seccomp_program() -> bytes | None:
     return b"".join(struct.pack("<HBBI", code, jt, jf, k) for code, jt, jf, k in ops)
 
 
+CAP_SYS_RESOURCE = 24
+
+
+def has_cap(bit: int) -> bool:
+    """Whether this process holds the capability (a replica in a container may lack some of root's)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("CapEff:"):
+                return bool(int(line.split()[1], 16) >> bit & 1)
+    except (OSError, ValueError):
+        pass
+    return False
+
+
 class SandboxError(RuntimeError):
     """The sandbox failed or died (not the agent's command failing)."""
 
@@ -103,7 +120,7 @@ class Limits:
     cpus: float = 1.0
     disk_mb: int = 512
     file_mb: int = 256
-    nofile: int = 1024
+    nofile: int = 1 << 20  # Docker's default (LimitNOFILE=1048576 of dockerd 20-24, AgentBench's era)
 
 
 # --------------------------------------------------------------------------------------------- #
@@ -266,13 +283,27 @@ class Sandbox:
             raise SandboxError(f"sandbox reply out of order or forged: {str(reply)[:200]}")
         return reply
 
-    def shell(self, script: str, timeout: float, cap: int = 1 << 20) -> dict[str, Any]:
-        """``{output, bytes, status, timed_out, restarted}``; the command ends after ``timeout`` seconds."""
-        return self._request({"op": "shell", "script": script, "timeout": timeout, "cap": cap}, timeout + 10)
+    def shell(self, script: str, timeout: float, cap: int = 1 << 20, stdin_pipe: bool = False) -> dict[str, Any]:
+        """``{output, bytes, status, timed_out, restarted}``; the command ends after ``timeout`` seconds.
+        ``stdin_pipe``: the script may read the shell's input (``su - user`` then switches the shell)."""
+        req = {"op": "shell", "script": script, "timeout": timeout, "cap": cap}
+        if stdin_pipe:
+            req["stdin_pipe"] = True
+        return self._request(req, timeout + 10)
 
-    def exec(self, argv: list[str], timeout: float, cap: int = 1 << 20, cwd: str = "/root") -> dict[str, Any]:
-        """``{code, stdout, stderr, timed_out}`` of a fresh process, like ``docker exec``."""
-        return self._request({"op": "exec", "argv": argv, "timeout": timeout, "cap": cap, "cwd": cwd}, timeout + 10)
+    def exec(self, argv: list[str], timeout: float, cap: int = 1 << 20, cwd: str = "/root",
+             env: dict[str, str] | None = None) -> dict[str, Any]:
+        """``{code, stdout, stderr, timed_out}`` of a fresh process, like ``docker exec`` (``env``: extra
+        variables)."""
+        req: dict[str, Any] = {"op": "exec", "argv": argv, "timeout": timeout, "cap": cap, "cwd": cwd}
+        if env:
+            req["env"] = env
+        return self._request(req, timeout + 10)
+
+    def stop_shell(self) -> None:
+        """End the agent's persistent shell (and a ``su`` session in it); its background processes go on. The
+        next ``shell`` call starts a new one."""
+        self._request({"op": "stop_shell"}, 10)
 
     def __enter__(self) -> Sandbox:
         return self
@@ -345,6 +376,11 @@ class BwrapSandbox(PipeSandbox):
         for path in PROC_MASKED:
             if os.path.exists(path):
                 bwrap += ["--ro-bind", "/dev/null", path]
+        # sandboxd (pid 1) is non-dumpable, so root in the sandbox may not list these folders of it, and
+        # `find / ...` would exit 1 where Docker's (dumpable) `sleep infinity` lets it pass: empty read-only
+        # folders stand over them (its fd links stay unreadable: the pipe to the host must stay private)
+        for path in SANDBOXD_HIDDEN:
+            bwrap += ["--tmpfs", path, "--remount-ro", path]
         pass_fds: tuple[int, ...] = ()
         program = seccomp_program()
         if program is not None:
@@ -361,7 +397,11 @@ class BwrapSandbox(PipeSandbox):
                  'mkdir "$ep/upper" "$ep/work" "$ep/root"; '
                  'mount -t overlay overlay -o "lowerdir=$lower,upperdir=$ep/upper,workdir=$ep/work" "$ep/root"; '
                  'exec "$@"')
-        argv = ["sh", "-c", attach, "jetrl-attach", *self.cgroup.procs_files, "--",
+        # the open-file limit the sandbox inherits: inside, nobody may raise a hard limit (no CAP_SYS_RESOURCE),
+        # and the replica's own may be lower than Docker's; prlimit (util-linux) sets it as root
+        n = limits.nofile if has_cap(CAP_SYS_RESOURCE) else min(limits.nofile, resource.getrlimit(resource.RLIMIT_NOFILE)[1])
+        nofile = ["prlimit", f"--nofile={n}:{n}", "--"] if shutil.which("prlimit") else []
+        argv = [*nofile, "sh", "-c", attach, "jetrl-attach", *self.cgroup.procs_files, "--",
                 "unshare", "--mount", "--propagation", "private", "--fork", "--kill-child=SIGKILL", "--",
                 "sh", "-c", mount, "jetrl-mount", str(self.ep_dir), str(rootfs), f"{limits.disk_mb}m", *bwrap]
         try:
