@@ -1,5 +1,6 @@
 """Build the KG graph and the default task sets ahead of time: ``python -m services.envs.kg [--env.key=value ...]``
-(``python -m services.envs.kg one-shot`` writes the example conversation of ``env.kg.one_shot``).
+(``python -m services.envs.kg one-shot --env.num_train_tasks=12 --env.num_test_tasks=6`` writes the example
+conversation of ``env.kg.one_shot``: a question of the split the tests build).
 
 Replicas build them on first start too; this is the one-off ``make setup-kg`` step so they need not.
 """
