@@ -124,14 +124,19 @@ class KGTaskConfig:
 class AlfworldTaskConfig:
     """[env.alfworld]: generated ALFWorld games in a pool of engine processes."""
 
-    max_rounds: int = opt(20, "rounds per episode (AgentBench FC: 20); catalogue games are ones the expert wins "
-                              "within it")
+    max_rounds: int = opt(20, "rounds per episode (AgentBench FC: 20); the catalogue records whether the expert "
+                              "wins within it")
     snap_actions: bool = opt(True, "map a non-admissible command to the closest admissible one by BLEU, as "
                                    "AgentBench does; false = the engine says Nothing happens.")
     pool_size: int = opt(4, "engine processes kept beyond env.max_sessions for loaded, ready games")
     prefetch: int = opt(1, "a cold start also loads its game in this many idle processes (GRPO plays a task "
                            "group_size times)")
     recycle_after: int = opt(50, "episodes an engine process plays before it is replaced (the engine leaks memory)")
+    game_files: list[str] = opt([], "real ALFWorld game files (.../<task>/trial_*/game.tw-pddl, traj_data.json "
+                                    "beside it): paths or globs, served as split 'dev'")
+    expert_filter: bool = opt(False, "keep in the catalogue only games the expert wins within max_rounds (the "
+                                     "old behaviour); false = the first games of each type, the expert's result "
+                                     "recorded beside them")
     max_observation_chars: int = opt(4000, "overrides env.max_observation_chars: an observation lists every "
                                            "admissible command")
 
