@@ -468,8 +468,8 @@ def test_agentbench_layout_finds_scripts_and_keeps_ids_apart(tmp_path: Path) -> 
 
 
 def test_sandbox_behaves_like_agentbenchs_container(tmp_path: Path) -> None:
-    """`find /` as root passes, Docker's open-file limit (where this host lets root raise it), `su - user` in
-    `start` switches the agent's shell, and a gold that counts processes sees what the agent saw."""
+    """`find /` as root passes, offline apt, Docker's open-file limit (where this host lets root raise it),
+    `su - user` in `start` switches the agent's shell, and a gold that counts processes sees what the agent saw."""
     if reason := sandbox_missing():
         pytest.skip(reason)
     tasks = [
@@ -498,6 +498,9 @@ def test_sandbox_behaves_like_agentbenchs_container(tmp_path: Path) -> None:
             assert sh("exit; true") == "The output of the OS is empty."
             assert sh("whoami") == "root\n"
             assert sh("find / -name no-such-file >/dev/null; echo rc=$?") == "rc=0\n"
+            # apt works offline for what AgentBench's tasks install (a local repository in the rootfs)
+            assert sh("apt-get remove -y -q sudo >/dev/null 2>&1 && apt-get update -q >/dev/null 2>&1 && "
+                      "apt-get install -y -q sudo >/dev/null 2>&1; echo rc=$?; sudo whoami 2>/dev/null") == "rc=0\nroot\n"
             host_hard = int(subprocess.run(["sh", "-c", "ulimit -Hn"], capture_output=True, text=True).stdout)
             want = 1 << 20 if _can_raise_nofile() else min(1 << 20, host_hard)  # a container host may lack the cap
             assert sh("ulimit -n; ulimit -Hn") == f"{want}\n{want}\n"

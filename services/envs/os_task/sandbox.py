@@ -53,7 +53,19 @@ PROC_MASKED = ["/proc/sysrq-trigger", "/proc/kcore", "/proc/keys", "/proc/timer_
 
 SANDBOXD_HIDDEN = ["/proc/1/fdinfo", "/proc/1/map_files", "/proc/1/task/1/fdinfo"]
 
-ROOTFS_RECIPE = 2  # bump when the build below changes: the cache key includes it
+ROOTFS_RECIPE = 3  # bump when the build below changes: the cache key includes it
+# Packages AgentBench's tasks `apt install` (its containers have a network; sandboxes do not): fetched from
+# Debian's archive at build time into a local repository inside the rootfs, which becomes apt's only source,
+# so `apt update` and `apt install sudo` work offline and `apt remove sudo` finds the package name.
+OFFLINE_PACKAGES = ["sudo", "net-tools"]
+LOCAL_REPO = "/var/lib/jetrl-apt"
+OFFLINE_APT_HOOK = (
+    f'set -e; mkdir -p "$1{LOCAL_REPO}"; '
+    f'chroot "$1" sh -c "cd {LOCAL_REPO} && apt-get download -q {" ".join(OFFLINE_PACKAGES)}"; '
+    f'chroot "$1" sh -c \'cd {LOCAL_REPO} && for f in *.deb; do dpkg-deb -f "$f"; echo "Filename: ./$f"; '
+    'echo "Size: $(stat -c %s "$f")"; echo "SHA256: $(sha256sum "$f" | cut -d" " -f1)"; echo; done > Packages\'; '
+    f'echo "deb [trusted=yes] file:{LOCAL_REPO} ./" > "$1/etc/apt/sources.list"; '
+    'rm -f "$1"/etc/apt/sources.list.d/*; chroot "$1" apt-get update -q')
 
 
 # --------------------------------------------------------------------------------------------- #
@@ -127,7 +139,8 @@ class Limits:
 # The rootfs: built once, cached, shared read-only by every episode as the overlay's lower layer
 # --------------------------------------------------------------------------------------------- #
 def rootfs_path(cache_dir: Path, variant: str, suite: str, mirror: str) -> Path:
-    key = hashlib.sha256(json.dumps([ROOTFS_RECIPE, suite, mirror, VARIANT_PACKAGES[variant]]).encode()).hexdigest()[:10]
+    key = hashlib.sha256(json.dumps([ROOTFS_RECIPE, suite, mirror, VARIANT_PACKAGES[variant],
+                                     OFFLINE_PACKAGES]).encode()).hexdigest()[:10]
     return cache_dir / f"rootfs-{variant}-{suite}-{key}"
 
 
@@ -154,6 +167,8 @@ def ensure_rootfs(cache_dir: Path, variant: str = "default", suite: str = "bookw
                f"--include={','.join(VARIANT_PACKAGES[variant])}",
                # keep dpkg/apt logs: an image that ran apt-get has them, and tasks ask about /var/log/*.log
                "--skip=cleanup/reproducible",
+               # the local repository's package lists are the point of the hook: keep them
+               "--skip=cleanup/apt/lists", f"--customize-hook={OFFLINE_APT_HOOK}",
                suite, str(tmp), mirror]
         proc = subprocess.run(cmd, capture_output=True, text=True,
                               env={**os.environ, "SOURCE_DATE_EPOCH": "1700000000"})
@@ -162,7 +177,8 @@ def ensure_rootfs(cache_dir: Path, variant: str = "default", suite: str = "bookw
             raise SandboxError(f"mmdebstrap failed ({proc.returncode}): {proc.stderr[-2000:]}")
         (tmp / "run" / "jetrl").mkdir(parents=True, exist_ok=True)  # sandboxd's bind target
         (tmp / ".jetrl-ready").write_text(json.dumps({"variant": variant, "suite": suite, "mirror": mirror,
-                                                       "packages": VARIANT_PACKAGES[variant]}))
+                                                       "packages": VARIANT_PACKAGES[variant],
+                                                       "offline_apt": OFFLINE_PACKAGES}))
         if path.exists():
             shutil.rmtree(path)
         tmp.rename(path)
