@@ -101,6 +101,9 @@ def bench_agentbench(args: argparse.Namespace) -> None:
                     print(f"  {task_id}: finishing without doing anything is graded right", flush=True)
             if reward < 1.0:
                 print(f"  {task_id}: reward {reward}, gold output {episode.last_output!r}"[:300], flush=True)
+            if time.monotonic() - t0 > 60:
+                print(f"  {task_id}: slow episode, {time.monotonic() - t0:.0f} s (open {episode.metrics.get('open_s', 0):.1f} s)",
+                      flush=True)
             return task_id, reward, wrong, time.monotonic() - t0
         finally:
             episode.close()

@@ -408,10 +408,13 @@ class BwrapSandbox(PipeSandbox):
         bwrap += ["python3", "-I", "/run/jetrl/sandboxd.py"]
         # Stage 1 joins the cgroups, stage 2 (in a private mount namespace) mounts tmpfs + overlay.
         attach = 'while [ "$1" != -- ]; do echo $$ > "$1"; shift; done; shift; exec "$@"'
-        mount = ('set -e; ep=$1; lower=$2; size=$3; shift 3; '
+        # /etc/hosts names the sandbox's hostname, as Docker's does (sudo looks it up; written to the upper layer)
+        mount = ('set -e; ep=$1; lower=$2; size=$3; host=$4; shift 4; '
                  'mount -t tmpfs -o "size=$size,mode=0755" jetrl-os "$ep"; '
                  'mkdir "$ep/upper" "$ep/work" "$ep/root"; '
                  'mount -t overlay overlay -o "lowerdir=$lower,upperdir=$ep/upper,workdir=$ep/work" "$ep/root"; '
+                 'printf "127.0.0.1\\tlocalhost\\n::1\\tlocalhost ip6-localhost ip6-loopback\\n127.0.1.1\\t%s\\n" '
+                 '"$host" > "$ep/root/etc/hosts"; '
                  'exec "$@"')
         # the open-file limit the sandbox inherits: inside, nobody may raise a hard limit (no CAP_SYS_RESOURCE),
         # and the replica's own may be lower than Docker's; prlimit (util-linux) sets it as root
@@ -419,7 +422,7 @@ class BwrapSandbox(PipeSandbox):
         nofile = ["prlimit", f"--nofile={n}:{n}", "--"] if shutil.which("prlimit") else []
         argv = [*nofile, "sh", "-c", attach, "jetrl-attach", *self.cgroup.procs_files, "--",
                 "unshare", "--mount", "--propagation", "private", "--fork", "--kill-child=SIGKILL", "--",
-                "sh", "-c", mount, "jetrl-mount", str(self.ep_dir), str(rootfs), f"{limits.disk_mb}m", *bwrap]
+                "sh", "-c", mount, "jetrl-mount", str(self.ep_dir), str(rootfs), f"{limits.disk_mb}m", hostname, *bwrap]
         try:
             proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                     start_new_session=True, pass_fds=pass_fds)
