@@ -208,6 +208,8 @@ DIALECT_PROBES: list[tuple[str, list[tuple[object, ...]]]] = [
     (r"SELECT city FROM `city stats` WHERE city = 'line\nbreak'", [("line\nbreak",)]),
     ("SELECT `2nd` FROM `city stats` WHERE 2nd = 'B' # a MySQL comment", [("b",)]),
     (r"SELECT COUNT(*) FROM `city stats` WHERE `2nd` = 'd\\e'", [(1,)]),
+    ("SELECT `2nd`, SUM(n) OVER (ORDER BY `2nd` ROWS BETWEEN 1 PRECEDING AND CURRENT ROW) FROM `city stats` "
+     "WHERE n BETWEEN -5 AND 9.5 ORDER BY `2nd`", [(None, -3.0), ("b", 6.0), ("c", 9.0), ("d\\e", 1.0)]),
 ]
 
 

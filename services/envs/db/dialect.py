@@ -84,7 +84,9 @@ def sqlite_literal(value: str) -> str:
 _COMPARE = {"=", "<=>", "<", "<=", ">", ">=", "<>", "!=", "=="}
 _KEYWORDS_BEFORE_VALUE = {"select", "where", "and", "or", "not", "on", "having", "when", "then", "else", "by",
                           "set", "values", "in", "between", "like", "is", "case", "limit", "offset", "null", "true", "false",
-                          "distinct", "from", "as", "asc", "desc", "group", "order"}
+                          "distinct", "from", "as", "asc", "desc", "group", "order", "rows", "range", "groups",
+                          "preceding", "following", "unbounded", "current", "row", "over", "partition", "end",
+                          "exists", "any", "all", "some", "interval", "escape", "join", "using"}
 
 
 def _column_ref(toks: list[Token], end: int) -> int:
@@ -157,6 +159,8 @@ def translate(sql: str) -> str:
             if left >= 0 and toks[left].text.lower() == "not":
                 left = _prev(toks, left)
             if word == "in" and right < len(toks) and toks[right].text == "(":
+                right = _next(toks, right)
+            if right < len(toks) and toks[right].text in ("-", "+"):
                 right = _next(toks, right)
             if left >= 0 and right < len(toks) and toks[right].kind == "number":
                 start = _column_ref(toks, left)
@@ -241,27 +245,40 @@ def mysql_number(text: str) -> float:
 
 class Sum:
     """MySQL's SUM: a DOUBLE as soon as a string (or float) is summed (AgentBench's columns are all TEXT),
-    where SQLite gives an integer for integer-looking strings."""
+    where SQLite gives an integer for integer-looking strings. Also a window function (``SUM(x) OVER``)."""
 
     def __init__(self) -> None:
         self.total: int | float = 0
-        self.floating = False
-        self.seen = False
+        self.floating = 0  # non-integer values in the frame
+        self.seen = 0  # non-NULL values in the frame
+
+    @staticmethod
+    def _number(value: object) -> int | float:
+        if isinstance(value, int):
+            return value
+        return mysql_number(value) if isinstance(value, str) else float(value)  # type: ignore[arg-type]
 
     def step(self, value: object) -> None:
         if value is None:
             return
-        self.seen = True
-        if isinstance(value, int):
-            self.total += value
-            return
-        self.floating = True
-        self.total += mysql_number(value) if isinstance(value, str) else float(value)  # type: ignore[arg-type]
+        self.seen += 1
+        self.floating += not isinstance(value, int)
+        self.total += self._number(value)
 
-    def finalize(self) -> int | float | None:
+    def inverse(self, value: object) -> None:  # a row leaves the window frame
+        if value is None:
+            return
+        self.seen -= 1
+        self.floating -= not isinstance(value, int)
+        self.total -= self._number(value)
+
+    def value(self) -> int | float | None:
         if not self.seen:
             return None
         return float(self.total) if self.floating else self.total
+
+    def finalize(self) -> int | float | None:
+        return self.value()
 
 
 def install(conn: sqlite3.Connection) -> None:
@@ -269,4 +286,7 @@ def install(conn: sqlite3.Connection) -> None:
     conn.create_collation(COLLATION, collate)
     conn.create_function("like", 2, like, deterministic=True)
     conn.create_function("like", 3, like, deterministic=True)
-    conn.create_aggregate("sum", 1, Sum)  # type: ignore[arg-type]
+    if hasattr(conn, "create_window_function"):  # SQLite >= 3.25: SUM(x) OVER (...) keeps working
+        conn.create_window_function("sum", 1, Sum)  # type: ignore[arg-type]
+    else:
+        conn.create_aggregate("sum", 1, Sum)  # type: ignore[arg-type]
