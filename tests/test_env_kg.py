@@ -423,3 +423,30 @@ def test_one_shot_example_is_a_solved_conversation_of_our_graph(env: KGEnv) -> N
         else:
             assert episode.reply(m["content"]).reward == 1.0
     assert ONE_SHOT_PATH.is_file()
+
+
+def test_an_agentbench_dev_question_on_a_freebase_slice(agentbench: Path, tmp_path: Path) -> None:
+    """One of AgentBench's own dev questions (grailqa 4300563004000), served as published on the slice of
+    Freebase it needs (written here from its s-expression and answer): its recorded actions reach the gold."""
+    dev = load_agentbench(agentbench / "knowledgegraph" / "dev.json")
+    question = next(q for q in dev if q["qid"] == "4300563004000_grailqa")
+    triples = [("m.09rl290", "type.object.type", "media_common.quotation"),
+               ("m.09rl290", "media_common.quotation.author", "m.0j50kb6"),
+               ("m.0j50kb6", "type.object.type", "basketball.basketball_player"),
+               ("m.0j50kb6", "media_common.quotation_author.quotations", "m.09rl290"),
+               ("m.0j50kb6", "basketball.basketball_player.position_s", "m.05ch8k4"),
+               ("m.05ch8k4", "type.object.type", "basketball.basketball_position"),
+               ("m.05ch8k4", "basketball.basketball_position.players", "m.0j50kb6"),
+               ("m.0bbc7k1", "type.object.type", "basketball.basketball_player"),  # another player, another
+               ("m.0bbc7k1", "basketball.basketball_player.position_s", "m.02sf_r")]  # position
+    lines = [f"<{NS}{s}> <{NS}{p}> <{NS}{o}> ." for s, p, o in triples]
+    lines.append(f'<{NS}m.05ch8k4> <{NS}type.object.name> "Guard"@en .')
+    (tmp_path / "slice.nt").write_text("\n".join(lines) + "\n")
+    (tmp_path / "dev.json").write_text(json.dumps([question]))
+    cfg = EnvConfig(task="kg", data_dir=str(tmp_path / "data"))
+    cfg.kg.ntriples, cfg.kg.agentbench_file = str(tmp_path / "slice.nt"), str(tmp_path / "dev.json")
+    env = KGEnv(cfg)
+    episode = env.open(question["qid"], "dev", 0)
+    assert episode.opening()[-1]["content"].startswith("what position did pat connaughton")
+    result = play(episode, env.oracle)
+    assert (result.reward, result.metrics["f1"]) == (1.0, 1.0) and episode.calls == len(question["actions"])
