@@ -71,24 +71,33 @@ def stage_expert(a: argparse.Namespace) -> dict[str, Any]:
     t0 = time.perf_counter()
     with engine_context().Pool(a.workers, maxtasksperchild=20) as pool:
         results = list(pool.imap(gen.verify, jobs))
-    by_type: dict[tuple[str, str], list[bool]] = {}
-    by_scene: dict[tuple[str, int], list[bool]] = {}
+    by_type: dict[tuple[str, str], list[tuple[bool, bool]]] = {}
+    by_scene: dict[tuple[str, int], list[tuple[bool, bool]]] = {}
     for (_, task_id, _), res in zip(jobs, results, strict=True):
         (task_type, _, _, scene), _ = gen.parse_task_id(task_id)
         split = gen.split_of(scene)
-        by_type.setdefault((split, task_type), []).append(res["won"])
-        by_scene.setdefault((split, scene), []).append(res["won"])
-    print("\n| split | task type | games | expert wins within 20 rounds |\n|---|---|---|---|")
+        by_type.setdefault((split, task_type), []).append((res["won"], res["planner_won"]))
+        by_scene.setdefault((split, scene), []).append((res["won"], res["planner_won"]))
+
+    def cell(w: list[tuple[bool, bool]], k: int) -> str:
+        n = sum(x[k] for x in w)
+        return f"{n} ({n / len(w):.0%})"
+
+    print("\n| split | task type | games | expert wins within 20 rounds | planner wins within 20 rounds |")
+    print("|---|---|---|---|---|")
     for (split, tt), w in sorted(by_type.items()):
-        print(f"| {split} | {tt} | {len(w)} | {sum(w)} ({sum(w) / len(w):.0%}) |")
-    total = [w for ws in by_type.values() for w in ws]
-    print(f"| all | | {len(total)} | {sum(total)} ({sum(total) / len(total):.0%}) |")
-    print("\n| split | scene | games | expert wins |\n|---|---|---|---|")
+        print(f"| {split} | {tt} | {len(w)} | {cell(w, 0)} | {cell(w, 1)} |")
+    total = [x for ws in by_type.values() for x in ws]
+    print(f"| all | | {len(total)} | {cell(total, 0)} | {cell(total, 1)} |")
+    print("\n| split | scene | games | expert wins | planner wins |\n|---|---|---|---|---|")
     for (split, scene), w in sorted(by_scene.items()):
-        print(f"| {split} | {scene} | {len(w)} | {sum(w)} |")
-    return {"games": len(jobs), "won": sum(total), "wall_s": time.perf_counter() - t0,
-            "by_type": {f"{sp}/{tt}": [sum(w), len(w)] for (sp, tt), w in by_type.items()},
-            "by_scene": {f"{sp}/{sc}": [sum(w), len(w)] for (sp, sc), w in by_scene.items()}}
+        print(f"| {split} | {scene} | {len(w)} | {sum(x[0] for x in w)} | {sum(x[1] for x in w)} |")
+    return {"games": len(jobs), "won": sum(x[0] for x in total), "planner_won": sum(x[1] for x in total),
+            "wall_s": time.perf_counter() - t0,
+            "by_type": {f"{sp}/{tt}": [sum(x[0] for x in w), sum(x[1] for x in w), len(w)]
+                        for (sp, tt), w in by_type.items()},
+            "by_scene": {f"{sp}/{sc}": [sum(x[0] for x in w), sum(x[1] for x in w), len(w)]
+                         for (sp, sc), w in by_scene.items()}}
 
 
 def play(env: AlfworldEnv, task_id: str, policy: str, seed: int) -> dict[str, Any]:

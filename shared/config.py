@@ -137,6 +137,8 @@ class AlfworldTaskConfig:
     expert_filter: bool = opt(False, "keep in the catalogue only games the expert wins within max_rounds (the "
                                      "old behaviour); false = the first games of each type, the expert's result "
                                      "recorded beside them")
+    oracle: str = opt("expert", "expert (ALFWorld's handcoded expert: searches the room) | planner (reads the "
+                                "game's true state: straight to the object, station and goal)")
     max_observation_chars: int = opt(4000, "overrides env.max_observation_chars: an observation lists every "
                                            "admissible command")
 

@@ -329,3 +329,20 @@ def test_game_files_and_tuples_serve_alfworlds_own_layout(env: AlfworldEnv, tmp_
     with pytest.raises(FileNotFoundError, match="no file matches"):
         make_env(EnvConfig(task="alfworld", num_train_tasks=1, num_test_tasks=1,
                            alfworld=AlfworldTaskConfig(game_files=[str(tmp_path / "none" / "*.tw-pddl")])))
+
+
+def test_planner_oracle_wins_the_games_the_expert_loses(env: AlfworldEnv) -> None:
+    """env.alfworld.oracle = planner: the full-knowledge planner wins every catalogue game within 20 rounds
+    (the catalogue records it beside the expert's result), through the env too."""
+    for split in ("train", "test"):
+        assert all(env.catalogue[split]["expert"][t]["planner_won"] for t in env.task_ids(split)), split
+    lost = [t for t in env.task_ids("test") if t not in won(env, "test")]
+    cfg = EnvConfig(task="alfworld", num_train_tasks=1, num_test_tasks=1, max_sessions=2,
+                    alfworld=AlfworldTaskConfig(pool_size=1, prefetch=0, oracle="planner"))
+    planner_env = make_env(cfg)
+    try:
+        for task_id in lost[:2] or env.task_ids("test")[:1]:
+            reward, status, rounds = play(planner_env, task_id, "test", "oracle")
+            assert (reward, status) == (1.0, "completed") and rounds <= 20, task_id
+    finally:
+        planner_env.close()

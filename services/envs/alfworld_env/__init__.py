@@ -140,6 +140,8 @@ class AlfworldEnv(TaskEnv):
                           for split, n in (("train", cfg.num_train_tasks), ("test", cfg.num_test_tasks))}
         self.ids = {split: [t for tt in gen.TASK_TYPES for t in cat["tasks"][tt]]
                     for split, cat in self.catalogue.items()}
+        if cfg.alfworld.oracle not in ("expert", "planner"):
+            raise ValueError(f"env.alfworld.oracle must be expert or planner, got {cfg.alfworld.oracle!r}")
         self.files = game_files(cfg.alfworld.game_files)  # the user's own ALFWorld games: split "dev"
         self.ids["dev"] = list(self.files)
         self.pool = EnginePool(max_procs=cfg.max_sessions + cfg.alfworld.pool_size,
@@ -187,7 +189,12 @@ class AlfworldEnv(TaskEnv):
         return AlfworldEpisode(self, task_id, proc, first, self.max_turns)
 
     def oracle(self, episode: Episode) -> ToolCall:
+        """ALFWorld's handcoded expert (it searches the room as an agent would), or with
+        ``env.alfworld.oracle = "planner"`` the full-knowledge planner (``engine.plan_next``: straight to the
+        object, the station and the goal; the expert where it has no plan)."""
         assert isinstance(episode, AlfworldEpisode)
+        if self.cfg.alfworld.oracle == "planner" and episode.last.plan:
+            return ToolCall("take_action", {"action": episode.last.plan})
         return ToolCall("take_action", {"action": episode.last.expert})
 
     def replay(self, task_id: str, split: str, seed: int, actions: list[str]) -> AlfworldEpisode:

@@ -338,20 +338,23 @@ def verify(args: tuple[str, str, int]) -> dict[str, Any]:
     game = json.loads(path.read_text())
     walkthrough = game.get("walkthrough")
     if game.get("solvable") is not None and walkthrough is not None and len(walkthrough) <= max_steps and \
-            (game["solvable"] or len(walkthrough) == max_steps):  # checked before with a limit at least as long
+            (game["solvable"] or len(walkthrough) == max_steps) and "planner_won" in game:  # checked before
         return {"task_id": task_id, "won": game["solvable"], "steps": len(walkthrough), "gen_s": gen_s,
-                "total_s": time.perf_counter() - t0}
+                "planner_won": game["planner_won"], "total_s": time.perf_counter() - t0}
     try:
-        won, actions = engine.play_expert(str(path), task_id, max_steps)
+        played = engine.Game()
+        played.load(str(path), task_id)
+        won, actions = engine.play_expert(str(path), task_id, max_steps, game=played)
+        planner_won, _ = engine.play_expert(str(path), task_id, max_steps, planner=True, game=played)
     except Exception as exc:  # a game the engine cannot load or play is simply not kept
         print(f"alfworld: {task_id} failed in the engine: {exc!r}", flush=True)
-        won, actions = False, []
-    if game.get("solvable") is None or game.get("walkthrough") != actions:
-        game.update(solvable=won, walkthrough=actions)
+        won, actions, planner_won = False, [], False
+    if game.get("solvable") is None or game.get("walkthrough") != actions or game.get("planner_won") != planner_won:
+        game.update(solvable=won, walkthrough=actions, planner_won=planner_won)
         tmp = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
         tmp.write_text(json.dumps(game))
         tmp.replace(path)
-    return {"task_id": task_id, "won": won, "steps": len(actions), "gen_s": gen_s,
+    return {"task_id": task_id, "won": won, "steps": len(actions), "gen_s": gen_s, "planner_won": planner_won,
             "total_s": time.perf_counter() - t0}
 
 
@@ -373,7 +376,7 @@ def build_catalogue(split: str, per_type: int, data_dir: str = "", max_steps: in
     result on each (``expert``: won within ``max_steps``, steps). ``filter_won`` keeps only games the expert
     wins (the catalogue before issue 17, which hid the games it cannot win)."""
     root = data_root(data_dir)
-    manifest = root / f"catalogue-{split}-{per_type}-{max_steps}{'' if filter_won else '-all'}.json"
+    manifest = root / f"catalogue-{split}-{per_type}-{max_steps}{'' if filter_won else '-all2'}.json"
     if manifest.exists():
         return json.loads(manifest.read_text())
     from services.envs.alfworld_env.pool import engine_context
@@ -395,12 +398,14 @@ def build_catalogue(split: str, per_type: int, data_dir: str = "", max_steps: in
                     tried += 1
                     if (res["won"] or not filter_won) and len(accepted) < per_type:
                         accepted.append(res)
-                        out["expert"][res["task_id"]] = {"won": res["won"], "steps": res["steps"]}
+                        out["expert"][res["task_id"]] = {"won": res["won"], "steps": res["steps"],
+                                                         "planner_won": res["planner_won"]}
                 if j > 50 * per_type + 100:
                     raise RuntimeError(f"alfworld: the expert solves too few {task_type} games in {split}")
             out["tasks"][task_type] = [r["task_id"] for r in accepted]
             out["stats"][task_type] = {"tried": tried, "accepted": len(accepted),
                                        "expert_won": sum(r["won"] for r in accepted),
+                                       "planner_won": sum(r["planner_won"] for r in accepted),
                                        "mean_expert_steps": float(np.mean([r["steps"] for r in accepted] or [0]))}
             if log:
                 log(task_type=task_type, split=split, **out["stats"][task_type])
