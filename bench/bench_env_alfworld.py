@@ -66,8 +66,16 @@ def stage_expert(a: argparse.Namespace) -> dict[str, Any]:
     each tuple), none left out. Prints two markdown tables."""
     from services.envs.alfworld_env.pool import engine_context
 
-    jobs = [(str(gen.data_root(a.data_dir)), gen.candidate_id(gen.candidates(split, tt), j), 20)
-            for split in ("train", "test") for tt in gen.TASK_TYPES for j in range(a.expert_n)]
+    if a.agentbench:  # AgentBench's own (type, object, receptacle, scene) tuples, the first --expert-n of each type
+        from services.envs.alfworld_env import agentbench_task_ids
+
+        jobs = []
+        for ids in agentbench_task_ids(Path(a.agentbench)).values():
+            valid = [t for t in ids if gen.parse_task_id(t)[0] in set(gen.valid_tuples(gen.parse_task_id(t)[0][3]))]
+            jobs += [(str(gen.data_root(a.data_dir)), t, 20) for t in valid[:a.expert_n]]
+    else:
+        jobs = [(str(gen.data_root(a.data_dir)), gen.candidate_id(gen.candidates(split, tt), j), 20)
+                for split in ("train", "test") for tt in gen.TASK_TYPES for j in range(a.expert_n)]
     t0 = time.perf_counter()
     with engine_context().Pool(a.workers, maxtasksperchild=20) as pool:
         results = list(pool.imap(gen.verify, jobs))
@@ -264,6 +272,7 @@ def main() -> None:
     ap.add_argument("--stages", default="generation,episodes,latency,memory,cpu",
                     help="also: expert (the expert's win rate per task type and scene, --expert-n games each)")
     ap.add_argument("--expert-n", type=int, default=10, help="games per task type and split in the expert stage")
+    ap.add_argument("--agentbench", default="", help="expert stage: sample AgentBench's train_valid.json tuples")
     ap.add_argument("--out", default="bench/results/alfworld.json")
     a = ap.parse_args()
     a.data_dir = a.data_dir or tempfile.mkdtemp(prefix="jetrl-alfworld-bench-")
