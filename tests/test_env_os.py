@@ -479,10 +479,8 @@ def test_sandbox_behaves_like_agentbenchs_container(tmp_path: Path) -> None:
         {"description": "How many processes are running?", "create": {"init": "for i in 1 2 3; do (sleep 60) & done"},
          "evaluation": {"check": [None, {"language": "python", "file": "check/integer-match.py"}],
                         "example": "ps -A | wc -l"}},
-        {"description": "How many processes have bash in their command line?",
-         "evaluation": {"check": [None, {"language": "python", "file": "check/integer-match.py"}],
-                        "example": "ps -ef | grep -i 'bash' | grep -v 'grep' | wc -l"}},
-    ]
+    ]  # (`ps -ef | grep bash | grep -v grep | wc -l` is left out: a shell's children show its command line
+    # until they exec, so that count races, for the agent as for the check, here as in Docker)
     (tmp_path / "box.json").write_text(json.dumps(tasks))
     env = OSEnv(EnvConfig(task="os", num_train_tasks=0, num_test_tasks=0,
                           os=OSTaskConfig(agentbench_test=[str(tmp_path / "box.json")])))
@@ -507,7 +505,7 @@ def test_sandbox_behaves_like_agentbenchs_container(tmp_path: Path) -> None:
             assert ep.call(ToolCall("answer_action", {"answer": "love"})).reward == 1.0
         finally:
             ep.close()
-        for task_id in ("ab-box-00001", "ab-box-00002"):
+        for task_id in ("ab-box-00001",):
             ep = env.open(task_id, "test", 0)
             try:
                 seen = int(ep.call(ToolCall("bash_action", {"script": ep.oracle_script()})).content.split()[-1])

@@ -271,14 +271,18 @@ class Shell:
                 os.kill(pid, signal.SIGKILL)
             except OSError:
                 pass
+        deadline = time.monotonic() + 2.0  # gone from /proc before the next command counts processes
+        while time.monotonic() < deadline:
+            reap()
+            if all(start_ticks(pid) is None for pid in chain):
+                break
+            time.sleep(0.005)
         for fd in (self.stdin, self.stdout):
             try:
                 os.close(fd)
             except OSError:
                 pass
         self.stdin = self.stdout = -1  # never write to a closed descriptor number: another pipe may reuse it
-        time.sleep(0.01)
-        reap()
         self.dead = True
 
     def drain(self):
