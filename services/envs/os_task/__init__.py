@@ -220,7 +220,7 @@ class OSEpisode(Episode):
             if entry is None:
                 # The gold is the example run again now. The agent counted processes from its own shell; here
                 # that shell is stopped and the example's shell stands in its place, with the script out of its
-                # command line (`ps -A | wc -l`, `ps -ef | grep bash | grep -v grep` then count what the agent saw)
+                # command line, as the agent's `bash --login` had none (`ps -A | wc -l` then counts what it saw)
                 if not self.shell_stopped:
                     self.sandbox.stop_shell()
                     self.shell_stopped = True
