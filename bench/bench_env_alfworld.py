@@ -2,6 +2,7 @@
 the env, reset latency with and without the engine pool, steps/s, memory per session and its growth.
 
     python bench/bench_env_alfworld.py --per-type 200 --episodes 200 --out bench/results/alfworld.json
+    python bench/bench_env_alfworld.py --stages expert --expert-n 10 --workers 2   # expert win rate per type/scene
 
 Stages run in order and share one data dir (``--data-dir``, default: a fresh temporary one, so the
 generation figures are cold). Every figure is a median unless it says otherwise.
@@ -55,8 +56,57 @@ def stage_generation(a: argparse.Namespace) -> dict[str, Any]:
     return {"per_type": a.per_type, "workers": a.workers, "wall_s": wall, "cpu_s_machine": cpu_seconds() - c0,
             "candidates": tried, "accepted": accepted, "accepted_per_s": accepted / wall,
             "candidates_per_s": tried / wall, "games_written_per_s_one_core": build_only,
-            "yield_within_20_rounds": {k: s["accepted"] / s["tried"] for k, s in cat["stats"].items() if k != "build_s"},
+            "yield_within_20_rounds": {k: s["expert_won"] / max(1, s["accepted"]) for k, s in cat["stats"].items()
+                                       if k != "build_s"},
             "mean_expert_steps": {k: s["mean_expert_steps"] for k, s in cat["stats"].items() if k != "build_s"}}
+
+
+def stage_expert(a: argparse.Namespace) -> dict[str, Any]:
+    """The handcoded expert's win rate within 20 rounds on generated games, per task type and per scene:
+    ``--expert-n`` games per task type and split (the first of the catalogue's seeded order, trial 0 of
+    each tuple), none left out. Prints two markdown tables."""
+    from services.envs.alfworld_env.pool import engine_context
+
+    if a.agentbench:  # AgentBench's own (type, object, receptacle, scene) tuples, the first --expert-n of each type
+        from services.envs.alfworld_env import agentbench_task_ids
+
+        jobs = []
+        for ids in agentbench_task_ids(Path(a.agentbench)).values():
+            valid = [t for t in ids if gen.parse_task_id(t)[0] in set(gen.valid_tuples(gen.parse_task_id(t)[0][3]))]
+            jobs += [(str(gen.data_root(a.data_dir)), t, 20) for t in valid[:a.expert_n]]
+    else:
+        jobs = [(str(gen.data_root(a.data_dir)), gen.candidate_id(gen.candidates(split, tt), j), 20)
+                for split in ("train", "test") for tt in gen.TASK_TYPES for j in range(a.expert_n)]
+    t0 = time.perf_counter()
+    with engine_context().Pool(a.workers, maxtasksperchild=20) as pool:
+        results = list(pool.imap(gen.verify, jobs))
+    by_type: dict[tuple[str, str], list[tuple[bool, bool]]] = {}
+    by_scene: dict[tuple[str, int], list[tuple[bool, bool]]] = {}
+    for (_, task_id, _), res in zip(jobs, results, strict=True):
+        (task_type, _, _, scene), _ = gen.parse_task_id(task_id)
+        split = gen.split_of(scene)
+        by_type.setdefault((split, task_type), []).append((res["won"], res["planner_won"]))
+        by_scene.setdefault((split, scene), []).append((res["won"], res["planner_won"]))
+
+    def cell(w: list[tuple[bool, bool]], k: int) -> str:
+        n = sum(x[k] for x in w)
+        return f"{n} ({n / len(w):.0%})"
+
+    print("\n| split | task type | games | expert wins within 20 rounds | planner wins within 20 rounds |")
+    print("|---|---|---|---|---|")
+    for (split, tt), w in sorted(by_type.items()):
+        print(f"| {split} | {tt} | {len(w)} | {cell(w, 0)} | {cell(w, 1)} |")
+    total = [x for ws in by_type.values() for x in ws]
+    print(f"| all | | {len(total)} | {cell(total, 0)} | {cell(total, 1)} |")
+    print("\n| split | scene | games | expert wins | planner wins |\n|---|---|---|---|---|")
+    for (split, scene), w in sorted(by_scene.items()):
+        print(f"| {split} | {scene} | {len(w)} | {sum(x[0] for x in w)} | {sum(x[1] for x in w)} |")
+    return {"games": len(jobs), "won": sum(x[0] for x in total), "planner_won": sum(x[1] for x in total),
+            "wall_s": time.perf_counter() - t0,
+            "by_type": {f"{sp}/{tt}": [sum(x[0] for x in w), sum(x[1] for x in w), len(w)]
+                        for (sp, tt), w in by_type.items()},
+            "by_scene": {f"{sp}/{sc}": [sum(x[0] for x in w), sum(x[1] for x in w), len(w)]
+                         for (sp, sc), w in by_scene.items()}}
 
 
 def play(env: AlfworldEnv, task_id: str, policy: str, seed: int) -> dict[str, Any]:
@@ -220,7 +270,10 @@ def main() -> None:
     ap.add_argument("--memory-n", type=int, default=60, help="games loaded into one process in the memory stage")
     ap.add_argument("--data-dir", default="", help="cache root; empty = a fresh temporary directory")
     ap.add_argument("--policies", default="oracle,random", help="policies played in the episode stage")
-    ap.add_argument("--stages", default="generation,episodes,latency,memory,cpu")
+    ap.add_argument("--stages", default="generation,episodes,latency,memory,cpu",
+                    help="also: expert (the expert's win rate per task type and scene, --expert-n games each)")
+    ap.add_argument("--expert-n", type=int, default=10, help="games per task type and split in the expert stage")
+    ap.add_argument("--agentbench", default="", help="expert stage: sample AgentBench's train_valid.json tuples")
     ap.add_argument("--out", default="bench/results/alfworld.json")
     a = ap.parse_args()
     a.data_dir = a.data_dir or tempfile.mkdtemp(prefix="jetrl-alfworld-bench-")

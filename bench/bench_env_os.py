@@ -2,6 +2,7 @@
 and sessions per replica. Prints a markdown section per mode (paste into docs/benchmarks/os.md).
 
     python bench/bench_env_os.py agentbench [--workers 8]    # all 1,000 training tasks (+ dev)
+    python bench/bench_env_os.py agentbench --test '/ab/data/os_interaction/data/*/*.json'   # AgentBench's layout
     python bench/bench_env_os.py generated  [--per-family 30]
     python bench/bench_env_os.py latency    [--n 50] [--backends bwrap,docker]
     python bench/bench_env_os.py sessions   [--levels 8,16,32,64]
@@ -57,12 +58,18 @@ def med(xs: list[float]) -> float:
 
 
 def bench_agentbench(args: argparse.Namespace) -> None:
-    if not AGENTBENCH.is_dir():
-        raise SystemExit(f"{AGENTBENCH} is not present: the AgentBench sweep needs ../shared/agentbench")
-    train, dev = AGENTBENCH / "train_0317" / "training.json", AGENTBENCH / "data" / "dev.json"
-    env = OSEnv(EnvConfig(task="os", num_train_tasks=0, num_test_tasks=0,
-                          os=OSTaskConfig(agentbench_train=[str(train)], agentbench_test=[str(dev)])))
+    if args.train or args.test:  # entries as in env.os.agentbench_train / _test (FILE or GLOB[=SCRIPTS_DIR])
+        train_entries, test_entries = args.train or [], args.test or []
+    else:
+        if not AGENTBENCH.is_dir():
+            raise SystemExit(f"{AGENTBENCH} is not present: the AgentBench sweep needs ../shared/agentbench")
+        train_entries = [str(AGENTBENCH / "train_0317" / "training.json")]
+        test_entries = [str(AGENTBENCH / "data" / "dev.json")]
+    env = OSEnv(EnvConfig(task="os", num_train_tasks=0, num_test_tasks=0, action_timeout_s=args.action_timeout,
+                          os=OSTaskConfig(agentbench_train=train_entries, agentbench_test=test_entries)))
     env.rootfs("default")
+    for task_id, reason in sorted(env.skipped.items()):
+        print(f"  skipped {task_id}: {reason}", flush=True)
 
     def run(item: tuple[str, str]) -> tuple[str, float, float, float]:
         task_id, split = item
@@ -75,38 +82,60 @@ def bench_agentbench(args: argparse.Namespace) -> None:
         try:
             reward = play_oracle(env, episode)
             wrong = 0.0
-            if episode.task.check and episode.task.example is not None:  # gold +- 1 / empty must fail
-                gold = (episode.last_output or "").strip()
+            task = episode.task
+            if task.wants_answer:  # gold +- 1 / gold + "1" / empty must fail
+                gold = (episode.last_output or "").strip() if task.example is not None \
+                    else str((task.match or {}).get("answer", ""))
                 bad = [gold + "1", ""] + ([str(int(gold) + 1), str(int(gold) - 1)] if gold.lstrip("-").isdigit() else [])
                 bad = [a for a in bad if a != gold]  # an empty gold (a few tasks print nothing) is no wrong answer
                 accepted = [a for a in bad if episode.judge(a)[0]]
                 wrong = float(bool(accepted))
                 if accepted:
                     print(f"  {task_id}: wrong answer(s) {accepted!r} accepted; gold {gold!r}"[:300], flush=True)
+            else:  # a task graded on the final state: finishing at once (nothing done) must fail
+                fresh = env.open(task_id, split, 0)
+                try:
+                    wrong = float(fresh.call(ToolCall("finish_action", {})).reward > 0)
+                finally:
+                    fresh.close()
+                if wrong:
+                    print(f"  {task_id}: finishing without doing anything is graded right", flush=True)
             if reward < 1.0:
                 print(f"  {task_id}: reward {reward}, gold output {episode.last_output!r}"[:300], flush=True)
+            if time.monotonic() - t0 > 60:
+                print(f"  {task_id}: slow episode, {time.monotonic() - t0:.0f} s (open {episode.metrics.get('open_s', 0):.1f} s)",
+                      flush=True)
             return task_id, reward, wrong, time.monotonic() - t0
         finally:
             episode.close()
 
-    for split, label in (("train", "training.json"), ("test", "dev.json")):
+    rows = []
+    for split in ("train", "test"):
         ids = env.task_ids(split)
         t0 = time.monotonic()
         with ThreadPoolExecutor(args.workers) as pool:
             results = list(track(pool.map(run, [(t, split) for t in ids]), f"os agentbench {split}", len(ids), "tasks"))
         wall = time.monotonic() - t0
-        passed = sum(r[1] for r in results)
-        wrong_passed = sum(r[2] for r in results)
-        print(f"\n### AgentBench {label}: init -> gold -> check in the bwrap sandbox\n")
-        print("| tasks | skipped (scripts not shipped) | oracle pass | pass rate | wrong answers graded right "
-              "| median episode s | wall s (workers) |")
-        print("|---|---|---|---|---|---|---|")
-        skipped = sum(1 for k in env.skipped if f"-{Path(label).stem}-" in k)
-        print(f"| {len(ids)} | {skipped} | {passed:.0f} | {passed / max(1, len(ids)):.1%} | {wrong_passed:.0f} "
-              f"| {med([r[3] for r in results]):.2f} | {wall:.0f} ({args.workers}) |")
+        by_file: dict[str, list[tuple[str, float, float, float]]] = {}
+        for r in results:
+            by_file.setdefault(r[0].rsplit("-", 1)[0], []).append(r)
+        for prefix in sorted(set(by_file) | {k.rsplit("-", 1)[0] for k in env.skipped}):
+            rs = by_file.get(prefix, [])
+            skipped = sum(1 for k in env.skipped if k.rsplit("-", 1)[0] == prefix)
+            rows.append((split, prefix, len(rs), skipped, sum(r[1] for r in rs), sum(r[2] for r in rs),
+                         med([r[3] for r in rs])))
         failed = [r[0] for r in results if r[1] < 1.0]
-        if failed:
-            print(f"\nfailed: {', '.join(failed)}")
+        print(f"\n{split}: {len(ids)} tasks, wall {wall:.0f} s ({args.workers} workers)"
+              + (f"; failed: {', '.join(failed)}" if failed else ""))
+    print("\n### AgentBench OS files: init -> gold -> check in the bwrap sandbox\n")
+    print("| split | file (id prefix) | tasks | skipped | oracle pass | pass rate | wrong graded right "
+          "| median episode s |")
+    print("|---|---|---|---|---|---|---|---|")
+    for split, prefix, n, skipped, passed, wrong, median in rows:
+        print(f"| {split} | {prefix} | {n} | {skipped} | {passed:.0f} | {passed / max(1, n):.1%} | {wrong:.0f} "
+              f"| {median:.2f} |")
+    n, passed, wrong = sum(r[2] for r in rows), sum(r[4] for r in rows), sum(r[5] for r in rows)
+    print(f"| all | | {n} | {sum(r[3] for r in rows)} | {passed:.0f} | {passed / max(1, n):.1%} | {wrong:.0f} | |")
     env.close()
 
 
@@ -248,6 +277,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("mode", choices=["agentbench", "generated", "latency", "sessions"])
     parser.add_argument("--workers", type=int, default=8)
+    parser.add_argument("--action-timeout", type=float, default=10.0,
+                        help="agentbench: env.action_timeout_s (checks get this less 1 s)")
+    parser.add_argument("--train", action="append", help="agentbench: a task file entry (FILE or GLOB[=SCRIPTS]) "
+                                                         "for the train split; repeat; default ../shared's training.json")
+    parser.add_argument("--test", action="append", help="agentbench: the same for the test split (default dev.json)")
     parser.add_argument("--per-family", type=int, default=30)
     parser.add_argument("--n", type=int, default=50)
     parser.add_argument("--levels", default="8,16,32,64")

@@ -104,8 +104,11 @@ class OSTaskConfig:
     pids: int = opt(256, "process cap of one episode's sandbox (a fork bomb stops here)")
     disk_mb: int = opt(512, "size of one episode's writable layer (tmpfs under the overlay)")
     cpus: float = opt(1.0, "CPU share of one episode's sandbox")
-    agentbench_train: list[str] = opt([], "AgentBench OS task files (.json/.jsonl) added to the train split")
-    agentbench_test: list[str] = opt([], "AgentBench OS task files (.json/.jsonl) added to the test split")
+    agentbench_train: list[str] = opt([], "AgentBench OS task files (.json/.jsonl) added to the train split; each "
+                                          "a file or glob, optionally =SCRIPTS_DIR (else AgentBench's layout: "
+                                          "data/<N>/*.json -> scripts/<N>/)")
+    agentbench_test: list[str] = opt([], "AgentBench OS task files (.json/.jsonl) added to the test split (as "
+                                         "agentbench_train)")
     levels: list[int] = opt([], "difficulty levels the generated splits keep (1-3); empty = all")
 
 
@@ -117,20 +120,36 @@ class KGTaskConfig:
     query_timeout_s: float = opt(3.0, "time limit of one SPARQL query (keep below env.action_timeout_s)")
     seed: int = opt(0, "seed of the question generator (task ids and splits follow from it)")
     levels: list[int] = opt([], "levels the splits keep (1-3: two to four joins); empty = all")
+    strict_prerequisites: bool = opt(False, "refuse get_neighbors / argmax / argmin before get_relations / "
+                                            "get_attributes on that variable; false = list them implicitly, as "
+                                            "AgentBench does")
+    one_shot: bool = opt(False, "open each episode with an example conversation (a solved question of the "
+                                "project's own graph), as AgentBench's std split does")
+    ntriples: str = opt("", "serve questions on this Freebase-namespace N-Triples graph (loaded once into a "
+                            "pyoxigraph store under data_dir) instead of the generated graph; no generated splits")
+    agentbench_file: str = opt("", "AgentBench-format questions (JSON list: question, entities, answer, actions) "
+                                   "served as split 'dev'")
 
 
 @dataclass
 class AlfworldTaskConfig:
     """[env.alfworld]: generated ALFWorld games in a pool of engine processes."""
 
-    max_rounds: int = opt(20, "rounds per episode (AgentBench FC: 20); catalogue games are ones the expert wins "
-                              "within it")
+    max_rounds: int = opt(20, "rounds per episode (AgentBench FC: 20); the catalogue records whether the expert "
+                              "wins within it")
     snap_actions: bool = opt(True, "map a non-admissible command to the closest admissible one by BLEU, as "
                                    "AgentBench does; false = the engine says Nothing happens.")
     pool_size: int = opt(4, "engine processes kept beyond env.max_sessions for loaded, ready games")
     prefetch: int = opt(1, "a cold start also loads its game in this many idle processes (GRPO plays a task "
                            "group_size times)")
     recycle_after: int = opt(50, "episodes an engine process plays before it is replaced (the engine leaks memory)")
+    game_files: list[str] = opt([], "real ALFWorld game files (.../<task>/trial_*/game.tw-pddl, traj_data.json "
+                                    "beside it): paths or globs, served as split 'dev'")
+    expert_filter: bool = opt(False, "keep in the catalogue only games the expert wins within max_rounds (the "
+                                     "old behaviour); false = the first games of each type, the expert's result "
+                                     "recorded beside them")
+    oracle: str = opt("expert", "expert (ALFWorld's handcoded expert: searches the room) | planner (reads the "
+                                "game's true state: straight to the object, station and goal)")
     max_observation_chars: int = opt(4000, "overrides env.max_observation_chars: an observation lists every "
                                            "admissible command")
 

@@ -1,8 +1,8 @@
 """ALFWorld env: generated games on the real ALFWorld engine, the expert oracle, a random baseline, bad
 actions, engine failures, replay, and the env served over NATS end to end.
 
-Builds (once, cached under ~/.cache/jetrl/data) a catalogue of one expert-solved game per task type
-and split; the larger sweeps (200 games per task type, latency, memory) are in bench/bench_env_alfworld.py.
+Builds (once, cached under ~/.cache/jetrl/data) a catalogue of one game per task type and split (the
+expert's result recorded on each); the larger sweeps (200 games per task type, latency, memory) are in bench/bench_env_alfworld.py.
 """
 
 from __future__ import annotations
@@ -37,6 +37,11 @@ def env() -> Iterator[AlfworldEnv]:
     env = make_env(cfg)
     yield env
     env.close()
+
+
+def won(env: AlfworldEnv, split: str) -> list[str]:
+    """Catalogue games the handcoded expert wins within the round limit (the catalogue keeps the others too)."""
+    return [t for t in env.task_ids(split) if env.catalogue[split]["expert"][t]["won"]]
 
 
 def play(env: AlfworldEnv, task_id: str, split: str, policy: str, seed: int = 0) -> tuple[float, str, int]:
@@ -101,15 +106,18 @@ def test_catalogue_splits_and_task_types(env: AlfworldEnv) -> None:
 
 
 # --------------------------------------------------------------------------------------------- episodes
-def test_oracle_wins_every_catalogue_game_and_random_policy_far_less(env: AlfworldEnv) -> None:
+def test_oracle_wins_the_games_its_expert_run_won_and_random_policy_far_less(env: AlfworldEnv) -> None:
+    """The catalogue no longer drops games the expert loses; the oracle (the same expert) wins exactly those
+    the catalogue records as won."""
     games = [(t, "test") for t in env.task_ids("test")]  # one per task type; train games play elsewhere
     oracle, rand = [], []
     for i, (task_id, split) in enumerate(games):  # random right after oracle: the game is ready in the pool
         oracle.append(play(env, task_id, split, "oracle"))
         if i % 3 == 0:
             rand.append(play(env, task_id, split, "random", seed=i))
-    assert [(r, st) for r, st, _ in oracle] == [(1.0, "completed")] * len(games)
-    assert all(n <= env.max_turns for _, _, n in oracle)
+    expert = env.catalogue["test"]["expert"]
+    assert [r for r, _, _ in oracle] == [float(expert[t]["won"]) for t, _ in games]
+    assert all(n <= env.max_turns for _, _, n in oracle) and won(env, "test")
     assert sum(r for r, _, _ in rand) <= 1  # the 200-game sweep is in bench/bench_env_alfworld.py
     assert env.pool.stats["hits"] >= len(rand)
 
@@ -182,7 +190,7 @@ def test_replay_rebuilds_the_session_state(env: AlfworldEnv) -> None:
 
 
 def test_a_dead_or_stuck_engine_fails_its_episode_only(env: AlfworldEnv) -> None:
-    task_id = env.task_ids("train")[1]
+    task_id = won(env, "train")[0]
     episode = env.open(task_id, "train", 0)
     episode.proc.proc.kill()  # the engine process dies mid-episode
     with pytest.raises(EngineDied):
@@ -209,7 +217,7 @@ def test_a_dead_or_stuck_engine_fails_its_episode_only(env: AlfworldEnv) -> None
 
 def test_memoized_text_and_cached_translation_change_nothing(env: AlfworldEnv, tmp_path: Path) -> None:
     """Play a game on the stock engine and on the sped-up one (fresh processes): identical transcripts."""
-    games = {t: json.loads(gen.write_game(env.root, t).read_text())["walkthrough"] for t in env.task_ids("test")}
+    games = {t: json.loads(gen.write_game(env.root, t).read_text())["walkthrough"] for t in won(env, "test")}
     task_id = min(games, key=lambda t: len(games[t]))  # the shortest: the stock engine is slow
     path, walkthrough = gen.game_dir(env.root, task_id) / "game.tw-pddl", games[task_id]
     script = (
@@ -253,7 +261,7 @@ async def test_served_over_nats_oracle_episodes_and_bad_actions(env: AlfworldEnv
                     return step.reward, step.status
             return 0.0, "unfinished"
 
-        ids = [(t, "test") for t in env.task_ids("test")[:3]] + [(env.task_ids("train")[5], "train")]
+        ids = [(t, "test") for t in won(env, "test")[:3]] + [(won(env, "train")[-1], "train")]
         assert await asyncio.gather(*(oracle_episode(t, s) for t, s in ids)) == [(1.0, "completed")] * len(ids)
 
         sid = uuid.uuid4().hex
@@ -289,3 +297,52 @@ async def test_served_over_nats_oracle_episodes_and_bad_actions(env: AlfworldEnv
         await service.stop()
         for session in list(host.sessions.values()):  # not host.shutdown(): the module fixture owns the env
             await host._close(session, "cancelled")
+
+
+# ------------------------------------------------------------------------------ ALFWorld's own files (issue 17)
+def test_game_files_and_tuples_serve_alfworlds_own_layout(env: AlfworldEnv, tmp_path: Path) -> None:
+    """env.alfworld.game_files takes ALFWorld's layout (json_2.1.1/<split>/<task>/<trial>/game.tw-pddl beside
+    traj_data.json) by glob, as split dev; the generator takes (type, object, receptacle, scene) tuples."""
+    tuples = [gen.parse_task_id(t)[0] for t in won(env, "test")[:2]]
+    ids = gen.task_ids_for(tuples)
+    assert ids == [f"{gen.tuple_name(t)}/trial_0" for t in tuples]
+    with pytest.raises(ValueError, match="not a game"):
+        gen.task_ids_for([("pick_and_place_simple", "Egg", "Toilet", 11)])
+    for k, task_id in enumerate(ids):  # copy the games out as ALFWorld ships them (trial folders by date)
+        src = gen.game_dir(env.root, task_id)
+        gen.write_game(env.root, task_id)
+        dst = tmp_path / "json_2.1.1" / "valid_unseen" / task_id.split("/")[0] / f"trial_T2019090{k}_000000_000000"
+        dst.mkdir(parents=True)
+        for name in ("game.tw-pddl", "traj_data.json", "initial_state.pddl"):
+            (dst / name).write_bytes((src / name).read_bytes())
+    cfg = EnvConfig(task="alfworld", num_train_tasks=1, num_test_tasks=1, max_sessions=2,
+                    alfworld=AlfworldTaskConfig(pool_size=1, prefetch=0,
+                                                game_files=[str(tmp_path / "json_2.1.1" / "**" / "game.tw-pddl")]))
+    files_env = make_env(cfg)
+    try:
+        dev = files_env.task_ids("dev")
+        assert len(dev) == 2 and all(t.split("/")[1].startswith("trial_T2019") for t in dev)
+        assert files_env.task_info(dev[0])["scene"] in gen.TEST_SCENES
+        assert [play(files_env, t, "dev", "oracle")[0] for t in dev] == [1.0, 1.0]
+    finally:
+        files_env.close()
+    with pytest.raises(FileNotFoundError, match="no file matches"):
+        make_env(EnvConfig(task="alfworld", num_train_tasks=1, num_test_tasks=1,
+                           alfworld=AlfworldTaskConfig(game_files=[str(tmp_path / "none" / "*.tw-pddl")])))
+
+
+def test_planner_oracle_wins_the_games_the_expert_loses(env: AlfworldEnv) -> None:
+    """env.alfworld.oracle = planner: the full-knowledge planner wins every catalogue game within 20 rounds
+    (the catalogue records it beside the expert's result), through the env too."""
+    for split in ("train", "test"):
+        assert all(env.catalogue[split]["expert"][t]["planner_won"] for t in env.task_ids(split)), split
+    lost = [t for t in env.task_ids("test") if t not in won(env, "test")]
+    cfg = EnvConfig(task="alfworld", num_train_tasks=1, num_test_tasks=1, max_sessions=2,
+                    alfworld=AlfworldTaskConfig(pool_size=1, prefetch=0, oracle="planner"))
+    planner_env = make_env(cfg)
+    try:
+        for task_id in lost[:2] or env.task_ids("test")[:1]:
+            reward, status, rounds = play(planner_env, task_id, "test", "oracle")
+            assert (reward, status) == (1.0, "completed") and rounds <= 20, task_id
+    finally:
+        planner_env.close()

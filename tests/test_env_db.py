@@ -191,6 +191,42 @@ def test_agentbench_dev_loads_and_grades_on_sqlite(agentbench: Path) -> None:
     assert (gold_ok, wrong_ok, oracle_ok) == (60, 60, 60)
 
 
+# ------------------------------------------------------------------------------- MySQL dialect
+# (statement, result MySQL gives): each probe is also run on MariaDB by test_env_db_mariadb.py
+DIALECT_TABLE = Table("city stats", [("city", "TEXT"), ("n", "TEXT"), ("2nd", "TEXT")],
+                      [["Montréal", "10", "a"], ["MONTREAL ", "9", "b"], ["Paris", "abc", "c"],
+                       ["x_y1", "1,000", "d\\e"], ["line\nbreak", "-3", None]])
+DIALECT_PROBES: list[tuple[str, list[tuple[object, ...]]]] = [
+    ("SELECT 'a\\nb', 'it\\'s', \"dq\", 'back\\\\slash'", [("a\nb", "it's", "dq", "back\\slash")]),
+    ("SELECT city FROM `city stats` WHERE city = 'montreal' ORDER BY n", [("Montréal",), ("MONTREAL ",)]),
+    ("SELECT COUNT(DISTINCT city) FROM `city stats`", [(4,)]),
+    ("SELECT n FROM `city stats` WHERE n > 5 ORDER BY n", [("10",), ("9",)]),
+    ("SELECT n FROM `city stats` WHERE n > '5' ORDER BY n", [("9",), ("abc",)]),
+    ("SELECT n FROM `city stats` WHERE n BETWEEN 9 AND 10 ORDER BY n", [("10",), ("9",)]),
+    ("SELECT city FROM `city stats` WHERE city LIKE '%TRÉ%' ORDER BY n", [("Montréal",), ("MONTREAL ",)]),
+    (r"SELECT city FROM `city stats` WHERE city LIKE 'x\_y%'", [("x_y1",)]),
+    (r"SELECT city FROM `city stats` WHERE city = 'line\nbreak'", [("line\nbreak",)]),
+    ("SELECT `2nd` FROM `city stats` WHERE 2nd = 'B' # a MySQL comment", [("b",)]),
+    (r"SELECT COUNT(*) FROM `city stats` WHERE `2nd` = 'd\\e'", [(1,)]),
+    ("SELECT `2nd`, SUM(n) OVER (ORDER BY `2nd` ROWS BETWEEN 1 PRECEDING AND CURRENT ROW) FROM `city stats` "
+     "WHERE n BETWEEN -5 AND 9.5 ORDER BY `2nd`", [(None, -3.0), ("b", 6.0), ("c", 9.0), ("d\\e", 1.0)]),
+]
+
+
+def test_sqlite_reads_statements_as_mysql_does() -> None:
+    """Backslash escapes, double-quoted strings, digit-leading names, string/number comparison, and the
+    case- and accent-insensitive collation (MariaDB gives the same rows: test_env_db_mariadb.py)."""
+    db = SQLiteDB([DIALECT_TABLE], Limits())
+    try:
+        for stmt, expected in DIALECT_PROBES:
+            r = db.execute(stmt)
+            assert r.error is None and r.rows == expected, (stmt, r.text)
+        assert db.execute(r"INSERT INTO `city stats` (city) VALUES ('tab\there')").error is None
+        assert db.execute("SELECT city FROM `city stats` WHERE city LIKE 'TAB%'").rows == [("tab\there",)]
+    finally:
+        db.close()
+
+
 # ------------------------------------------------------------------------------- safety limits
 def test_sqlite_limits_confine_and_bound_the_agent() -> None:
     big = Table("big", [("n", "INTEGER"), ("pad", "TEXT")], [[i, "x" * 50] for i in range(3000)])

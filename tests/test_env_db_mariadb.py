@@ -221,3 +221,41 @@ async def test_served_over_nats_on_mariadb(server, config, subjects, nc) -> None
         await host.shutdown()
         await service.stop()
     assert all(gone(server, n) for n in names)
+
+
+def test_mysql_dialect_probes_give_mariadbs_rows_on_sqlite(server) -> None:
+    """The SQLite probes of test_env_db.py (escapes, collation, digit-leading names, string/number
+    comparison) return on MariaDB the rows the SQLite test expects: the expectations are MySQL's."""
+    from tests.test_env_db import DIALECT_PROBES, DIALECT_TABLE
+
+    db, lite = server.create([DIALECT_TABLE]), SQLiteDB([DIALECT_TABLE], Limits())
+    try:
+        for stmt, expected in DIALECT_PROBES:
+            assert db.execute(stmt).rows == expected, stmt
+            assert lite.execute(stmt).text == db.execute(stmt).text, stmt
+    finally:
+        db.close()
+        lite.close()
+
+
+def test_agentbench_dev_statements_agree_on_both_backends(server, agentbench: Path) -> None:
+    """Every SQL statement of AgentBench's dev file (its sql.query, the gold SQL of INSERT/UPDATE tasks)
+    gives the same result text, or the same table hash, on SQLite as on MariaDB."""
+    from services.envs.db.tasks import load_agentbench
+
+    same, differ = 0, []
+    for task in load_agentbench(agentbench / "dbbench" / "dev.jsonl"):
+        db, lite = server.create(task.tables), SQLiteDB(task.tables, Limits())
+        try:
+            a, b = db.execute(task.ref_sql), lite.execute(task.ref_sql)
+            if task.modifies:
+                ok = a.error is None and b.error is None and db.table_hash(1024) == lite.table_hash(1024)
+            else:
+                ok = (a.error is None) == (b.error is None) and (a.error is not None or a.text == b.text)
+            same += ok
+            if not ok:
+                differ.append((task.task_id, task.ref_sql, a.text[:120], b.text[:120]))
+        finally:
+            db.close()
+            lite.close()
+    assert same == 60, differ  # see docs/benchmarks/db.md

@@ -193,7 +193,7 @@ def test_bad_calls_give_clear_errors_and_the_episode_goes_on(env: KGEnv) -> None
         (ToolCall("get_relations", {"variable": "#4"}), "Variable #4 does not exist"),
         (ToolCall("get_relations", {"variable": "Atlantis"}), "neither a variable"),
         (ToolCall("get_neighbors", {"variable": entity, "relation": "people.person.spouse"}),
-         "call get_relations"),
+         "is not a relation of"),  # listed implicitly first, as AgentBench does
         (ToolCall("intersection", {"variable1": entity, "variable2": "#0"}), "two variables"),
         (ToolCall("argmax", {"variable": "#0", "attribute": "x"}), "does not exist"),
     ]
@@ -304,3 +304,149 @@ def test_levels_and_kinds_of_questions(env: KGEnv) -> None:
     finally:
         env.cfg.kg.levels = []
     assert easy and all(env.task_level(i, "train").level == 1 for i in easy) and len(easy) < len(ids)
+
+
+# ------------------------------------------------------------------------ AgentBench's behaviour (issue 17)
+ROCKETS = {  # a small Freebase-shaped graph: (mid, type, name, {relation: [objects]}, {attribute: value})
+    "m.0gas": ("spaceflight.rocket_engine_cycle", "Gas-generator cycle",
+               {"spaceflight.rocket_engine_cycle.rocket_engines": ["m.0rd107", "m.0merlin", "m.0rs27"]}, {}),
+    "m.0stg": ("spaceflight.rocket_engine_cycle", "Staged combustion cycle",
+               {"spaceflight.rocket_engine_cycle.rocket_engines": ["m.0rs25"]}, {}),
+    "m.0ker": ("spaceflight.rocket_fuel", "Kerosene",
+               {"spaceflight.rocket_fuel.engines": ["m.0merlin", "m.0rs27x"]}, {}),
+    "m.0rd107": ("spaceflight.bipropellant_rocket_engine", "RD-107",
+                 {"spaceflight.rocket_engine.designed_by": ["m.0ener"]}, {"spaceflight.rocket_engine.thrust": 1000.0}),
+    "m.0merlin": ("spaceflight.bipropellant_rocket_engine", "Merlin",
+                  {"spaceflight.rocket_engine.designed_by": ["m.0spx"]}, {"spaceflight.rocket_engine.thrust": 845.0}),
+    "m.0rs27": ("spaceflight.bipropellant_rocket_engine", "RS-27",
+                {"spaceflight.rocket_engine.designed_by": ["m.0rdyne"]}, {"spaceflight.rocket_engine.thrust": 1054.0}),
+    "m.0rs27x": ("spaceflight.bipropellant_rocket_engine", "RS-27A",
+                 {"spaceflight.rocket_engine.designed_by": ["m.0rdyne"]}, {"spaceflight.rocket_engine.thrust": 1054.2}),
+    "m.0rs25": ("spaceflight.bipropellant_rocket_engine", "RS-25",
+                {"spaceflight.rocket_engine.designed_by": ["m.0rdyne"]}, {"spaceflight.rocket_engine.thrust": 2279.0}),
+    "m.0ener": ("spaceflight.rocket_engine_designer", "NPO Energomash", {}, {}),
+    "m.0spx": ("spaceflight.rocket_engine_designer", "SpaceX", {}, {}),
+    "m.0rdyne": ("spaceflight.rocket_engine_designer", "Rocketdyne", {}, {}),
+}
+ROCKET_QUESTIONS = [
+    {"qid": "rockets-0", "question": "the bipropellant rocket engine with kerosene and gas-generator cycle is "
+     "designed by who?", "entities": {"Gas-generator cycle": "m.0gas", "Kerosene": "m.0ker"},
+     "s_expression": "(JOIN (R spaceflight.rocket_engine.designed_by) (AND (JOIN (R spaceflight.rocket_engine_cycle."
+     "rocket_engines) m.0gas) (JOIN (R spaceflight.rocket_fuel.engines) m.0ker)))",
+     "actions": ["get_relations(m.0gas)", "get_neighbors(m.0gas,spaceflight.rocket_engine_cycle.rocket_engines)",
+                 "get_relations(m.0ker)", "get_neighbors(m.0ker,spaceflight.rocket_fuel.engines)",
+                 "intersection(#0,#1)", "get_relations(#2)", "get_neighbors(#2,spaceflight.rocket_engine.designed_by)"],
+     "answer": [{"answer_type": "Entity", "answer_argument": "m.0spx", "entity_name": "SpaceX"}]},
+    {"qid": "rockets-1", "question": "which gas-generator cycle engine has the most thrust?",
+     "entities": {"Gas-generator cycle": "m.0gas"},
+     "actions": ["get_neighbors(m.0gas,spaceflight.rocket_engine_cycle.rocket_engines)",  # no get_relations:
+                 "argmax(#0,spaceflight.rocket_engine.thrust)"],  # AgentBench lists them implicitly
+     "answer": [{"answer_type": "Entity", "answer_argument": "m.0rs27", "entity_name": "RS-27"}]},
+    {"qid": "rockets-2", "question": "how many rocket engines use the gas-generator "
+     "cycle?", "entities": {"Gas-generator cycle": "m.0gas"},
+     "actions": ["get_neighbors(m.0gas,spaceflight.rocket_engine_cycle.rocket_engines)", "count(#0)"],
+     "answer": [{"answer_type": "Value", "answer_argument": "3"}]},
+]
+
+
+def write_rockets(path: Path) -> None:
+    reverse = {"spaceflight.rocket_engine_cycle.rocket_engines": "spaceflight.rocket_engine.cycle",
+               "spaceflight.rocket_fuel.engines": "spaceflight.bipropellant_rocket_engine.fuel",
+               "spaceflight.rocket_engine.designed_by": "spaceflight.rocket_engine_designer.rocket_engines"}
+    lines = []
+    for mid, (type_, name, links, attrs) in ROCKETS.items():
+        lines.append(f"<{NS}{mid}> <{NS}type.object.type> <{NS}{type_}> .")
+        lines.append(f"<{NS}{mid}> <{NS}type.object.name> {json.dumps(name)}@en .")
+        for rel, objects in links.items():
+            for obj in objects:
+                lines.append(f"<{NS}{mid}> <{NS}{rel}> <{NS}{obj}> .")
+                lines.append(f"<{NS}{obj}> <{NS}{reverse[rel]}> <{NS}{mid}> .")
+        for attr, value in attrs.items():
+            lines.append(f'<{NS}{mid}> <{NS}{attr}> "{value}"^^<http://www.w3.org/2001/XMLSchema#float> .')
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+
+
+def test_freebase_questions_on_a_user_ntriples_graph(tmp_path: Path) -> None:
+    """env.kg.ntriples + env.kg.agentbench_file: AgentBench-format questions served on the user's graph,
+    the recorded actions replayed by the oracle, AgentBench's implicit prerequisites, strict mode."""
+    write_rockets(tmp_path / "rockets.nt")
+    (tmp_path / "questions.json").write_text(json.dumps(ROCKET_QUESTIONS))
+    cfg = EnvConfig(task="kg", data_dir=str(tmp_path / "data"), num_train_tasks=10, num_test_tasks=10)
+    cfg.kg.ntriples, cfg.kg.agentbench_file = str(tmp_path / "rockets.nt"), str(tmp_path / "questions.json")
+    env = KGEnv(cfg)
+    assert env.task_ids("train") == env.task_ids("test") == [] and env.task_ids("dev") == ["rockets-0", "rockets-1",
+                                                                                            "rockets-2"]
+    assert env.graph.ontology["relations"]["spaceflight.rocket_engine.designed_by"]["range"] == \
+        "spaceflight.rocket_engine_designer"
+    assert list(env.graph.ontology["attributes"]) == ["spaceflight.rocket_engine.thrust"]
+    for qid in env.task_ids("dev"):
+        assert play(env.open(qid, "dev", 0), env.oracle).reward == 1.0, qid
+    episode = env.open("rockets-0", "dev", 0)
+    assert episode.call(ToolCall("get_relations", {"variable": "Kerosene"})).content == \
+        "Observation: [spaceflight.rocket_fuel.engines]"
+    assert episode.call(ToolCall("get_neighbors", {"variable": "Gas-generator cycle", "relation":
+                        "spaceflight.rocket_engine_cycle.rocket_engines"})).content == \
+        "Observation: variable #0, which are instances of spaceflight.bipropellant_rocket_engine"
+    assert episode.reply("Final Answer: #0").reward == 0.0  # the engines, not their designer
+    assert KGEnv(cfg).graph.path == env.graph.path  # loaded once, then reopened
+    cfg.kg.strict_prerequisites = True
+    strict = KGEnv(cfg).open("rockets-1", "dev", 0)
+    with pytest.raises(ToolError, match="call get_relations"):
+        strict.call(ToolCall("get_neighbors", {"variable": "Gas-generator cycle",
+                                               "relation": "spaceflight.rocket_engine_cycle.rocket_engines"}))
+
+
+def test_one_shot_example_is_a_solved_conversation_of_our_graph(env: KGEnv) -> None:
+    """env.kg.one_shot puts services/envs/kg/one_shot.json between the system prompt and the question; the
+    example's calls, replayed on our graph, give the observations it shows and end in a right answer."""
+    from services.envs.kg import ONE_SHOT_PATH, one_shot_example
+    from services.rollout.chat import render_opening
+
+    example = one_shot_example()
+    cfg = EnvConfig(task="kg", num_train_tasks=12, num_test_tasks=6)
+    cfg.kg.one_shot = True
+    opening = KGEnv(cfg, graph=env.graph).open(env.task_ids("test")[0], "test", 0).opening()
+    assert opening[1:-1] == example and opening[0]["role"] == "system" and opening[-1]["role"] == "user"
+    text = render_opening(opening, TOOLS)
+    assert "<tool_call>" in text and "<tool_response>" in text and text.count("<|im_start|>assistant") == \
+        sum(m["role"] == "assistant" for m in example) + 1
+    question = example[0]["content"].split("\nEntities: ")[0]
+    task = next(t for t in env.tasks["train"] if t["question"] == question)
+    episode = env.open(task["qid"], "train", 0)
+    observations: list[str] = []
+    for m in example[1:]:
+        if m["role"] == "tool":
+            assert observations[-1] == m["content"]  # the observation of the call just before
+        elif m.get("tool_calls"):
+            fn = m["tool_calls"][0]["function"]
+            observations.append(episode.call(ToolCall(fn["name"], json.loads(fn["arguments"]))).content)
+        else:
+            assert episode.reply(m["content"]).reward == 1.0
+    assert ONE_SHOT_PATH.is_file()
+
+
+def test_an_agentbench_dev_question_on_a_freebase_slice(agentbench: Path, tmp_path: Path) -> None:
+    """One of AgentBench's own dev questions (grailqa 4300563004000), served as published on the slice of
+    Freebase it needs (written here from its s-expression and answer): its recorded actions reach the gold."""
+    dev = load_agentbench(agentbench / "knowledgegraph" / "dev.json")
+    question = next(q for q in dev if q["qid"] == "4300563004000_grailqa")
+    triples = [("m.09rl290", "type.object.type", "media_common.quotation"),
+               ("m.09rl290", "media_common.quotation.author", "m.0j50kb6"),
+               ("m.0j50kb6", "type.object.type", "basketball.basketball_player"),
+               ("m.0j50kb6", "media_common.quotation_author.quotations", "m.09rl290"),
+               ("m.0j50kb6", "basketball.basketball_player.position_s", "m.05ch8k4"),
+               ("m.05ch8k4", "type.object.type", "basketball.basketball_position"),
+               ("m.05ch8k4", "basketball.basketball_position.players", "m.0j50kb6"),
+               ("m.0bbc7k1", "type.object.type", "basketball.basketball_player"),  # another player, another
+               ("m.0bbc7k1", "basketball.basketball_player.position_s", "m.02sf_r")]  # position
+    lines = [f"<{NS}{s}> <{NS}{p}> <{NS}{o}> ." for s, p, o in triples]
+    lines.append(f'<{NS}m.05ch8k4> <{NS}type.object.name> "Guard"@en .')
+    (tmp_path / "slice.nt").write_text("\n".join(lines) + "\n")
+    (tmp_path / "dev.json").write_text(json.dumps([question]))
+    cfg = EnvConfig(task="kg", data_dir=str(tmp_path / "data"))
+    cfg.kg.ntriples, cfg.kg.agentbench_file = str(tmp_path / "slice.nt"), str(tmp_path / "dev.json")
+    env = KGEnv(cfg)
+    episode = env.open(question["qid"], "dev", 0)
+    assert episode.opening()[-1]["content"].startswith("what position did pat connaughton")
+    result = play(episode, env.oracle)
+    assert (result.reward, result.metrics["f1"]) == (1.0, 1.0) and episode.calls == len(question["actions"])

@@ -417,3 +417,107 @@ def test_levels_and_families_of_generated_tasks() -> None:
     easy = OSEnv(cfg)
     ids = easy.task_ids("train")
     assert ids and all(easy.task_level(i, "train").level == 1 for i in ids) and len(ids) < len(levels)
+
+
+# --------------------------------------------------------------------------- AgentBench's layout (issue 17)
+def write_agentbench_layout(root: Path) -> None:
+    """A small copy of AgentBench's os_interaction layout: two files both named new.json under data/<N>/,
+    each with a check script of the same name in its own scripts/<N>/ folder, and data/dev.json."""
+    for n, word in (("1", "one"), ("2", "two")):
+        (root / "data" / n).mkdir(parents=True)
+        (root / "scripts" / n / "check").mkdir(parents=True)
+        (root / "scripts" / n / "check" / "1.sh").write_text(f'[ "$(cat /root/word)" = {word} ]\n')
+        items = [{"description": f"Write {word} to /root/word.", "create": {"local": "default"},
+                  "evaluation": {"check": {"file": "check/1.sh"}, "example": {"code": f"echo {word} > /root/word"}}},
+                 {"description": "How many files are in /root/d?",
+                  "create": {"init": {"code": "mkdir /root/d && touch /root/d/a /root/d/b"}},
+                  "evaluation": {"check": [None, {"language": "python", "file": "check/integer-match.py"}],
+                                 "example": "ls /root/d | wc -l"}}]
+        (root / "data" / n / "new.json").write_text(json.dumps(items))
+    (root / "scripts" / "dev" / "example").mkdir(parents=True)
+    (root / "scripts" / "dev" / "example" / "0.sh").write_text("echo dev > /root/word\n")
+    (root / "data" / "dev.json").write_text(json.dumps([{
+        "description": "Write dev to /root/word.",
+        "evaluation": {"check": {"code": '[ "$(cat /root/word)" = dev ]'}, "example": {"file": "example/0.sh"}}}]))
+
+
+def test_agentbench_layout_finds_scripts_and_keeps_ids_apart(tmp_path: Path) -> None:
+    write_agentbench_layout(tmp_path)
+    env = OSEnv(EnvConfig(task="os", num_train_tasks=0, num_test_tasks=0, os=OSTaskConfig(
+        agentbench_test=[str(tmp_path / "data" / "*" / "new.json"), str(tmp_path / "data" / "dev.json")])))
+    ids = env.task_ids("test")
+    assert ids == ["ab-1-new-00000", "ab-1-new-00001", "ab-2-new-00000", "ab-2-new-00001", "ab-dev-00000"]
+    assert not env.skipped
+    assert env.tasks["test"]["ab-1-new-00000"].check[0].code.strip().endswith("= one ]")  # scripts/1, not 2
+    assert env.tasks["test"]["ab-2-new-00000"].check[0].code.strip().endswith("= two ]")
+    assert env.tasks["test"]["ab-dev-00000"].example.code == "echo dev > /root/word\n"
+    env.close()
+    # an explicit scripts folder (AgentBench's script_dir) wins over the layout
+    env = OSEnv(EnvConfig(task="os", num_train_tasks=0, num_test_tasks=0, os=OSTaskConfig(
+        agentbench_train=[f"{tmp_path / 'data' / '1' / 'new.json'}={tmp_path / 'scripts' / '2'}"])))
+    assert env.tasks["train"]["ab-1-new-00000"].check[0].code.strip().endswith("= two ]")
+    env.close()
+    # the same file twice (or two files with the same id) is an error, never an overwrite
+    with pytest.raises(ValueError, match="ab-1-new-00000 .* also the id"):
+        OSEnv(EnvConfig(task="os", num_train_tasks=0, num_test_tasks=0, os=OSTaskConfig(
+            agentbench_train=[str(tmp_path / "data" / "1" / "new.json")],
+            agentbench_test=[str(tmp_path / "data" / "1" / "*.json")])))
+    with pytest.raises(FileNotFoundError, match="no AgentBench task file matches"):
+        OSEnv(EnvConfig(task="os", num_train_tasks=0, num_test_tasks=0,
+                        os=OSTaskConfig(agentbench_test=[str(tmp_path / "nothing" / "*.json")])))
+
+
+def test_sandbox_behaves_like_agentbenchs_container(tmp_path: Path) -> None:
+    """`find /` as root passes, offline apt, Docker's open-file limit (where this host lets root raise it),
+    `su - user` in `start` switches the agent's shell, and a gold that counts processes sees what the agent saw."""
+    if reason := sandbox_missing():
+        pytest.skip(reason)
+    tasks = [
+        {"description": "What does ~/test print?",
+         "start": "useradd -s /bin/bash -d /home/jack -m jack && cd /home/jack && echo 'echo love' > test && "
+                  "chmod 000 test && chown jack test && su - jack", "evaluation": {"match": "love"}},
+        {"description": "How many processes are running?", "create": {"init": "for i in 1 2 3; do (sleep 60) & done"},
+         "evaluation": {"check": [None, {"language": "python", "file": "check/integer-match.py"}],
+                        "example": "ps -A | wc -l"}},
+    ]  # (`ps -ef | grep bash | grep -v grep | wc -l` is left out: a shell's children show its command line
+    # until they exec, so that count races, for the agent as for the check, here as in Docker)
+    (tmp_path / "box.json").write_text(json.dumps(tasks))
+    env = OSEnv(EnvConfig(task="os", num_train_tasks=0, num_test_tasks=0,
+                          os=OSTaskConfig(agentbench_test=[str(tmp_path / "box.json")])))
+    env.rootfs("default")
+    try:
+        ep = env.open("ab-box-00000", "test", 0)
+        try:
+            def sh(script: str) -> str:
+                return ep.call(ToolCall("bash_action", {"script": script})).content.split("\n\n", 1)[-1]
+
+            assert sh("whoami; pwd") == "jack\n/home/jack\n"
+            assert sh("~/test; echo rc=$?").endswith("rc=126\n")  # jack may not run it (mode 000)
+            assert sh("exit; true") == "The output of the OS is empty."
+            assert sh("whoami") == "root\n"
+            assert sh("find / -name no-such-file >/dev/null; echo rc=$?") == "rc=0\n"
+            # apt works offline for what AgentBench's tasks install (a local repository in the rootfs)
+            assert sh("apt-get remove -y -q sudo >/dev/null 2>&1 && apt-get update -q >/dev/null 2>&1 && "
+                      "apt-get install -y -q sudo >/dev/null 2>&1; echo rc=$?; sudo whoami 2>&1") == "rc=0\nroot\n"
+            host_hard = int(subprocess.run(["sh", "-c", "ulimit -Hn"], capture_output=True, text=True).stdout)
+            want = 1 << 20 if _can_raise_nofile() else min(1 << 20, host_hard)  # a container host may lack the cap
+            assert sh("ulimit -n; ulimit -Hn") == f"{want}\n{want}\n"
+            assert ep.call(ToolCall("answer_action", {"answer": "love"})).reward == 1.0
+        finally:
+            ep.close()
+        for task_id in ("ab-box-00001",):
+            ep = env.open(task_id, "test", 0)
+            try:
+                seen = int(ep.call(ToolCall("bash_action", {"script": ep.oracle_script()})).content.split()[-1])
+                assert ep.judge(str(seen + 1))[0] is False and ep.judge(str(seen - 1))[0] is False
+                assert ep.call(ToolCall("answer_action", {"answer": str(seen)})).reward == 1.0, task_id
+            finally:
+                ep.close()
+    finally:
+        env.close()
+
+
+def _can_raise_nofile() -> bool:
+    from services.envs.os_task.sandbox import CAP_SYS_RESOURCE, has_cap
+
+    return has_cap(CAP_SYS_RESOURCE)

@@ -75,6 +75,11 @@ def render_opening(messages: list[dict[str, Any]], tools: list[dict[str, Any]], 
         if m["role"] == "system":
             content += preamble
             has_system = True
+        elif m["role"] == "assistant" and m.get("tool_calls"):  # an example conversation (KG's one-shot)
+            content = render_tool_call(m)
+        elif m["role"] == "tool":  # rendered as an observation is after a call
+            out.append(_block("user", f"<tool_response>\n{content}\n</tool_response>"))
+            continue
         out.append(_block(m["role"], content))
     if not has_system:
         out.insert(0, _block("system", "You are a helpful agent." + preamble))

@@ -9,8 +9,10 @@ engine) on games generated offline (``gen.py``), with AgentBench's function-call
   three times in a row ends the episode as ``invalid_action`` with reward 0.
 * Oracle: ALFWorld's handcoded expert, tracking the episode step by step (``engine.py``).
 * Task ids name the game: ``pick_heat_then_place_in_recep-Egg-None-DiningTable-11/trial_0``. Each split
-  has a catalogue of expert-solved games (``num_train_tasks`` / ``num_test_tasks`` per task type);
-  any other valid id of the split is generated on demand. The seed is unused: a game is fixed by its id.
+  has a catalogue of games (``num_train_tasks`` / ``num_test_tasks`` per task type, the expert's result on
+  each recorded, not used to pick them); any other valid id of the split is generated on demand. The seed
+  is unused: a game is fixed by its id. ``env.alfworld.game_files`` serves ALFWorld's own game files as
+  split ``dev`` (ids ``<task folder>/<trial folder>``).
 * Engines run in child processes with a pool of loaded games (``pool.py``).
 
 This package is not called ``alfworld`` so that ``import alfworld`` always means the PyPI engine.
@@ -18,6 +20,7 @@ This package is not called ``alfworld`` so that ``import alfworld`` always means
 
 from __future__ import annotations
 
+import glob
 import json
 import warnings
 from pathlib import Path
@@ -132,10 +135,15 @@ class AlfworldEnv(TaskEnv):
         self.root = gen.data_root(cfg.data_dir)
         self.max_turns = cfg.alfworld.max_rounds
         self.snap_actions = cfg.alfworld.snap_actions
-        self.catalogue = {split: gen.build_catalogue(split, n, cfg.data_dir, self.max_turns, log=self._log_build)
+        self.catalogue = {split: gen.build_catalogue(split, n, cfg.data_dir, self.max_turns, log=self._log_build,
+                                                     filter_won=cfg.alfworld.expert_filter)
                           for split, n in (("train", cfg.num_train_tasks), ("test", cfg.num_test_tasks))}
         self.ids = {split: [t for tt in gen.TASK_TYPES for t in cat["tasks"][tt]]
                     for split, cat in self.catalogue.items()}
+        if cfg.alfworld.oracle not in ("expert", "planner"):
+            raise ValueError(f"env.alfworld.oracle must be expert or planner, got {cfg.alfworld.oracle!r}")
+        self.files = game_files(cfg.alfworld.game_files)  # the user's own ALFWorld games: split "dev"
+        self.ids["dev"] = list(self.files)
         self.pool = EnginePool(max_procs=cfg.max_sessions + cfg.alfworld.pool_size,
                                sas_cache=str(self.root / "sas"), recycle_after=cfg.alfworld.recycle_after,
                                prefetch=cfg.alfworld.prefetch, step_timeout_s=0.9 * cfg.action_timeout_s)
@@ -148,15 +156,25 @@ class AlfworldEnv(TaskEnv):
         return list(self.ids.get(split, []))
 
     def task_level(self, task_id: str, split: str) -> TaskLevel:
+        if task_id in self.files:
+            task_type = task_id.split("-")[0]
+            return TaskLevel(gen.DIFFICULTY.get(task_type, 2), task_type)
         (task_type, _, _, _), _ = gen.parse_task_id(task_id)
         return TaskLevel(gen.DIFFICULTY[task_type], task_type)
 
     def task_info(self, task_id: str) -> dict[str, Any]:
+        if task_id in self.files:  # ALFWorld's own name: type-object-movable receptacle-receptacle-scene
+            task_type, obj, mrecep, recep, scene = task_id.split("/")[0].split("-")
+            return {"task_type": task_type, "object": obj, "movable_receptacle": mrecep, "receptacle": recep,
+                    "scene": int(scene), "trial": task_id.split("/")[1], "difficulty": gen.DIFFICULTY.get(task_type, 2),
+                    "split": "dev", "path": self.files[task_id]}
         (task_type, obj, recep, scene), trial = gen.parse_task_id(task_id)
         return {"task_type": task_type, "object": obj, "receptacle": recep, "scene": scene, "trial": trial,
                 "difficulty": gen.DIFFICULTY[task_type], "split": gen.split_of(scene)}
 
     def game_path(self, task_id: str, split: str) -> str:
+        if split == "dev":
+            return self.files[task_id]  # KeyError -> 404
         try:
             (_, _, _, scene), _ = gen.parse_task_id(task_id)
         except (ValueError, KeyError):
@@ -171,7 +189,12 @@ class AlfworldEnv(TaskEnv):
         return AlfworldEpisode(self, task_id, proc, first, self.max_turns)
 
     def oracle(self, episode: Episode) -> ToolCall:
+        """ALFWorld's handcoded expert (it searches the room as an agent would), or with
+        ``env.alfworld.oracle = "planner"`` the full-knowledge planner (``engine.plan_next``: straight to the
+        object, the station and the goal; the expert where it has no plan)."""
         assert isinstance(episode, AlfworldEpisode)
+        if self.cfg.alfworld.oracle == "planner" and episode.last.plan:
+            return ToolCall("take_action", {"action": episode.last.plan})
         return ToolCall("take_action", {"action": episode.last.expert})
 
     def replay(self, task_id: str, split: str, seed: int, actions: list[str]) -> AlfworldEpisode:
@@ -190,6 +213,28 @@ class AlfworldEnv(TaskEnv):
 
     def close(self) -> None:
         self.pool.close()
+
+
+def game_files(entries: list[str]) -> dict[str, str]:
+    """``env.alfworld.game_files`` (paths or globs of ALFWorld's ``game.tw-pddl`` files) as {task id: path};
+    the id is ALFWorld's own ``<task folder>/<trial folder>``, as AgentBench's lists name games."""
+    out: dict[str, str] = {}
+    for entry in entries:
+        pattern = str(Path(entry).expanduser())
+        paths = sorted(glob.glob(pattern, recursive=True)) if any(c in pattern for c in "*?[") else [pattern]
+        if not paths:
+            raise FileNotFoundError(f"env.alfworld.game_files: no file matches {pattern!r}")
+        for p in map(Path, paths):
+            if not p.is_file():
+                raise FileNotFoundError(f"env.alfworld.game_files: {p} is not a file")
+            if not (p.parent / "traj_data.json").is_file():
+                raise FileNotFoundError(f"env.alfworld.game_files: {p} has no traj_data.json beside it (the "
+                                        "expert and the goal need it, as in ALFWorld's data)")
+            task_id = f"{p.parent.parent.name}/{p.parent.name}"
+            if out.get(task_id, str(p)) != str(p):
+                raise ValueError(f"env.alfworld.game_files: {p} and {out[task_id]} are both game {task_id}")
+            out[task_id] = str(p)
+    return out
 
 
 def agentbench_task_ids(train_valid: Path) -> dict[str, list[str]]:

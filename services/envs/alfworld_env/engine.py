@@ -124,6 +124,7 @@ class Step:
     admissible: list[str]
     valid: bool = True  # False: the engine answered "Nothing happens."
     expert: str = "look"  # the expert's next command from here
+    plan: str = ""  # the full-knowledge planner's next command ("" = it has none; see ``plan_next``)
 
 
 @dataclass
@@ -157,16 +158,24 @@ class Game:
         self.expert.reset(self.path)
         self.expert.observe(state["feedback"])
         self.expert_next = "look"  # what ALFWorld's AlfredExpert wrapper plans first
+        self.params = _goal_params(self.path)
         self.last = Step(state["feedback"], bool(state["won"]), list(state["admissible_commands"]),
-                         expert=self.expert_next)
+                         expert=self.expert_next, plan=self._plan(state))
         return self.last
+
+    def _plan(self, state: textworld.GameState) -> str:
+        try:
+            return plan_next([str(f) for f in state["facts"] or []], self.params, list(state["admissible_commands"]))
+        except Exception:  # a state the planner does not model: no plan (the oracle falls back to the expert)
+            return ""
 
     def step(self, command: str) -> Step:
         state, _, _ = self.env.step(command)
         self.steps += 1
         self.expert_next = self._expert_act(state, command)
         self.last = Step(state["feedback"], bool(state["won"]), list(state["admissible_commands"]),
-                         valid=state["feedback"] != "Nothing happens.", expert=self.expert_next)
+                         valid=state["feedback"] != "Nothing happens.", expert=self.expert_next,
+                         plan=self._plan(state))
         return self.last
 
     def _expert_act(self, state: textworld.GameState, command: str) -> str:
@@ -183,12 +192,100 @@ class Game:
         return action if action in state["admissible_commands"] else "look"
 
 
-def play_expert(path: str, task_id: str, max_steps: int) -> tuple[bool, list[str]]:
-    """Play the handcoded expert on a game; (won within max_steps, commands)."""
-    game = Game()
-    step = game.load(path, task_id)
+def play_expert(path: str, task_id: str, max_steps: int, planner: bool = False,
+                game: Game | None = None) -> tuple[bool, list[str]]:
+    """Play the handcoded expert (or the full-knowledge planner, the expert where it has no plan) on a
+    game; (won within max_steps, commands). ``game``: one already loaded with this game (it is reset)."""
+    if game is None:
+        game = Game()
+        step = game.load(path, task_id)
+    else:
+        step = game.reset()
     actions: list[str] = []
     while not step.won and len(actions) < max_steps:
-        actions.append(step.expert)
-        step = game.step(step.expert)
+        command = (step.plan or step.expert) if planner else step.expert
+        actions.append(command)
+        step = game.step(command)
     return step.won, actions
+
+
+# ------------------------------------------------------------------------------------------------ planner
+# ALFWorld's handcoded expert searches the room for the object like an agent would, and often runs past
+# AgentBench's 20 rounds. The planner reads the game's true state (TextWorld's facts, with the names the
+# agent sees) and walks straight to the object, the station and the goal receptacle.
+STATIONS = {"pick_clean_then_place_in_recep": ("clean", "sinkbasin", "isclean"),
+            "pick_heat_then_place_in_recep": ("heat", "microwave", "ishot"),
+            "pick_cool_then_place_in_recep": ("cool", "fridge", "iscool")}
+
+
+@functools.lru_cache(maxsize=256)
+def _goal_params(path: str) -> dict[str, str]:
+    import json
+
+    traj = json.loads((Path(path).parent / "traj_data.json").read_text())
+    return {"task_type": traj["task_type"], **traj["pddl_params"]}
+
+
+def _facts(facts: list[str]) -> list[tuple[str, list[str]]]:
+    """``inreceptacle(mug 1: object, shelf 2: receptacle)`` -> ("inreceptacle", ["mug 1", "shelf 2"])."""
+    out = []
+    for f in facts:
+        name, _, rest = f.partition("(")
+        out.append((name, [a.split(":")[0].strip() for a in rest.rstrip(")").split(",") if a.strip()]))
+    return out
+
+
+def plan_next(facts: list[str], params: dict[str, str], admissible: list[str]) -> str:
+    """The next command of a shortest-minded plan for the goal, or "" when none applies."""
+    fs = _facts(facts)
+    kind = lambda x: x.rsplit(" ", 1)[0].replace(" ", "")  # noqa: E731 - "desk lamp 1" -> "desklamp"
+    one = {p: {a[0] for q, a in fs if q == p and a} for p in ("opened", "openable", "isclean", "ishot", "iscool")}
+    inrec = {a[0]: a[1] for q, a in fs if q == "inreceptacle" and len(a) == 2}
+    holds = [a[-1] for q, a in fs if q == "holds"]
+    recloc = {a[0]: a[1] for q, a in fs if q == "receptacleatlocation" and len(a) == 2}
+    here = next((a[1] for q, a in fs if q == "atlocation" and a and a[0].startswith("agent")), None)
+    at = {r for r, loc in recloc.items() if loc == here}
+    task_type = params["task_type"]
+    target, goal, lamp = (params["object_target"].lower(), params["parent_target"].lower(),
+                          params["toggle_target"].lower())
+    station = STATIONS.get(task_type)
+
+    def go_open(recep: str) -> str | None:
+        if recep not in at:
+            return f"go to {recep}"
+        if recep in one["openable"] and recep not in one["opened"]:
+            return f"open {recep}"
+        return None
+
+    def pick(prefix: str) -> str:
+        return next((c for c in admissible if c.startswith(prefix)), "")
+
+    def treated(o: str) -> bool:
+        return station is None or o in one[station[2]]
+
+    receptacles = sorted(recloc)
+    goals = [r for r in receptacles if kind(r) == goal]
+    done = [o for o, r in inrec.items() if kind(o) == target and r in goals and treated(o)]
+    if holds:
+        obj = holds[0]
+        if kind(obj) != target:
+            return ""
+        if task_type == "look_at_obj_in_light":
+            lamps = [o for o in inrec if kind(o) == lamp]
+            if not lamps:
+                return ""
+            return go_open(inrec[lamps[0]]) or pick(f"use {lamps[0]}")
+        if not treated(obj):
+            assert station is not None
+            where = next(r for r in receptacles if kind(r) == station[1])
+            return go_open(where) if where not in at else pick(f"{station[0]} {obj} with {where}")
+        if not goals:
+            return ""
+        target_recep = next((inrec[o] for o in done), goals[0])  # pick-two: the same receptacle twice
+        return go_open(target_recep) or pick(f"move {obj} to {target_recep}") or pick(f"put {obj} ")
+    todo = sorted((o for o in inrec if kind(o) == target and o not in done),
+                  key=lambda o: (inrec[o] in goals, inrec[o] not in at, o))
+    if not todo:
+        return ""
+    obj = todo[0]
+    return go_open(inrec[obj]) or pick(f"take {obj} from {inrec[obj]}")

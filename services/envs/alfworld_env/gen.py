@@ -13,7 +13,8 @@ and the reachable grid (``-layout.npy``); it has no games (its downloader needs 
    as the PDDL problem ALFWorld's engine loads, the ``traj_data.json`` its handcoded expert reads and
    the ``game.tw-pddl`` bundle (domain + grammar with the goal text + problem).
 3. The *catalogue* of a split keeps, per task type, the first N games (in a seeded order that cycles
-   through the tuples) that ALFWorld's handcoded expert wins within the episode's round limit.
+   through the tuples), with whether ALFWorld's handcoded expert wins each within the episode's round
+   limit (``expert_filter`` keeps only those it wins, as before issue 17).
 
 Scenes 10, 219, 308 and 424 are the test split (AgentBench holds them out); all others are train.
 Everything is deterministic in the task id, so any replica rebuilds any game from its id alone.
@@ -337,37 +338,54 @@ def verify(args: tuple[str, str, int]) -> dict[str, Any]:
     game = json.loads(path.read_text())
     walkthrough = game.get("walkthrough")
     if game.get("solvable") is not None and walkthrough is not None and len(walkthrough) <= max_steps and \
-            (game["solvable"] or len(walkthrough) == max_steps):  # checked before with a limit at least as long
+            (game["solvable"] or len(walkthrough) == max_steps) and "planner_won" in game:  # checked before
         return {"task_id": task_id, "won": game["solvable"], "steps": len(walkthrough), "gen_s": gen_s,
-                "total_s": time.perf_counter() - t0}
+                "planner_won": game["planner_won"], "total_s": time.perf_counter() - t0}
     try:
-        won, actions = engine.play_expert(str(path), task_id, max_steps)
+        played = engine.Game()
+        played.load(str(path), task_id)
+        won, actions = engine.play_expert(str(path), task_id, max_steps, game=played)
+        planner_won, _ = engine.play_expert(str(path), task_id, max_steps, planner=True, game=played)
     except Exception as exc:  # a game the engine cannot load or play is simply not kept
         print(f"alfworld: {task_id} failed in the engine: {exc!r}", flush=True)
-        won, actions = False, []
-    if game.get("solvable") is None or game.get("walkthrough") != actions:
-        game.update(solvable=won, walkthrough=actions)
+        won, actions, planner_won = False, [], False
+    if game.get("solvable") is None or game.get("walkthrough") != actions or game.get("planner_won") != planner_won:
+        game.update(solvable=won, walkthrough=actions, planner_won=planner_won)
         tmp = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
         tmp.write_text(json.dumps(game))
         tmp.replace(path)
-    return {"task_id": task_id, "won": won, "steps": len(actions), "gen_s": gen_s,
+    return {"task_id": task_id, "won": won, "steps": len(actions), "gen_s": gen_s, "planner_won": planner_won,
             "total_s": time.perf_counter() - t0}
 
 
+def task_ids_for(tuples: list[tuple[str, str, str, int]], trials: int = 1) -> list[str]:
+    """Task ids of games for given (task type, object, receptacle, scene) tuples (AgentBench's lists name
+    tuples: ``agentbench_task_ids``), ``trials`` games each; a tuple ALFRED's rules do not allow is an error."""
+    out = []
+    for t in tuples:
+        task_type, obj, recep, scene = t[0], t[1], t[2], int(t[3])
+        if (task_type, obj, recep, scene) not in set(valid_tuples(scene)):
+            raise ValueError(f"alfworld: ({task_type}, {obj}, {recep}, {scene}) is not a game ALFRED's rules allow")
+        out += [f"{tuple_name((task_type, obj, recep, scene))}/trial_{k}" for k in range(trials)]
+    return out
+
+
 def build_catalogue(split: str, per_type: int, data_dir: str = "", max_steps: int = 20, workers: int = 0,
-                    log: Any = None, progress: Any = None) -> dict[str, Any]:
-    """The first ``per_type`` expert-solved games of each task type (cached as a manifest);
-    ``progress`` (a ``shared.progress.Progress`` over ``per_type * len(TASK_TYPES)`` games) is told each
-    accepted game."""
+                    log: Any = None, filter_won: bool = False, progress: Any = None) -> dict[str, Any]:
+    """The first ``per_type`` games of each task type (cached as a manifest), with the handcoded expert's
+    result on each (``expert``: won within ``max_steps``, steps). ``filter_won`` keeps only games the expert
+    wins (the catalogue before issue 17, which hid the games it cannot win). ``progress`` (a
+    ``shared.progress.Progress`` over ``per_type * len(TASK_TYPES)`` games) is told each accepted game."""
     root = data_root(data_dir)
-    manifest = root / f"catalogue-{split}-{per_type}-{max_steps}.json"
+    manifest = root / f"catalogue-{split}-{per_type}-{max_steps}{'' if filter_won else '-all2'}.json"
     if manifest.exists():
         return json.loads(manifest.read_text())
     from services.envs.alfworld_env.pool import engine_context
 
     workers = workers or min(8, os.cpu_count() or 1)
     t0 = time.perf_counter()
-    out: dict[str, Any] = {"split": split, "per_type": per_type, "max_steps": max_steps, "tasks": {}, "stats": {}}
+    out: dict[str, Any] = {"split": split, "per_type": per_type, "max_steps": max_steps, "filter_won": filter_won,
+                           "tasks": {}, "stats": {}, "expert": {}}
     with engine_context().Pool(workers, maxtasksperchild=50) as pool:
         for task_type in TASK_TYPES:
             tuples = candidates(split, task_type)
@@ -379,14 +397,18 @@ def build_catalogue(split: str, per_type: int, data_dir: str = "", max_steps: in
                 j += len(batch)
                 for res in pool.imap(verify, batch):  # imap keeps the order, so the result is deterministic
                     tried += 1
-                    if res["won"] and len(accepted) < per_type:
+                    if (res["won"] or not filter_won) and len(accepted) < per_type:
                         accepted.append(res)
+                        out["expert"][res["task_id"]] = {"won": res["won"], "steps": res["steps"],
+                                                         "planner_won": res["planner_won"]}
                         if progress is not None:
                             progress.update(note=f"{task_type} (tried {tried})")
                 if j > 50 * per_type + 100:
                     raise RuntimeError(f"alfworld: the expert solves too few {task_type} games in {split}")
             out["tasks"][task_type] = [r["task_id"] for r in accepted]
             out["stats"][task_type] = {"tried": tried, "accepted": len(accepted),
+                                       "expert_won": sum(r["won"] for r in accepted),
+                                       "planner_won": sum(r["planner_won"] for r in accepted),
                                        "mean_expert_steps": float(np.mean([r["steps"] for r in accepted] or [0]))}
             if log:
                 log(task_type=task_type, split=split, **out["stats"][task_type])
@@ -406,7 +428,8 @@ if __name__ == "__main__":
     ap.add_argument("--train", type=int, default=256, help="train games per task type")
     ap.add_argument("--test", type=int, default=64, help="test games per task type")
     ap.add_argument("--data-dir", default="", help="cache root; empty = ~/.cache/jetrl/data")
-    ap.add_argument("--max-steps", type=int, default=20, help="keep games the expert wins within this many rounds")
+    ap.add_argument("--max-steps", type=int, default=20, help="the expert's round limit")
+    ap.add_argument("--expert-filter", action="store_true", help="keep only games the expert wins")
     ap.add_argument("--workers", type=int, default=0, help="processes; 0 = min(8, cores)")
     a = ap.parse_args()
     from shared.progress import Progress
@@ -414,5 +437,6 @@ if __name__ == "__main__":
     for split, n in (("train", a.train), ("test", a.test)):
         with Progress(f"alfworld {split} catalogue", total=n * len(TASK_TYPES), unit="games") as bar:
             cat = build_catalogue(split, n, a.data_dir, a.max_steps, a.workers, progress=bar,
-                                  log=lambda **kv: print(" ".join(f"{k}={v}" for k, v in kv.items()), flush=True))
+                                  log=lambda **kv: print(" ".join(f"{k}={v}" for k, v in kv.items()), flush=True),
+                                  filter_won=a.expert_filter)
         print(f"split={split} per_type={n} build_s={cat['stats']['build_s']:.1f}", flush=True)

@@ -4,6 +4,8 @@ Each episode gets a private database that only it can reach:
 
 * SQLite: a fresh in-memory database per episode; ATTACH is off (limit 0) and an authorizer refuses
   DDL and pragmas, so the agent has SELECT/INSERT/UPDATE/DELETE and temp tables, as on MariaDB.
+  Statements are read as MySQL reads them (``dialect.py``: backslash escapes, digit-leading names,
+  string-number comparison, a case- and accent-insensitive collation on TEXT columns).
 * MariaDB: ``CREATE DATABASE jdb_<time>_<hex>`` (utf8mb4) and a user of the same name with a random
   password and only SELECT/INSERT/UPDATE/DELETE/CREATE TEMPORARY TABLES on that database; both are
   dropped on close. The agent's connection runs with ``sql_mode=''`` (non-strict, as AgentBench's
@@ -31,6 +33,7 @@ from urllib.parse import unquote, urlparse
 
 import structlog
 
+from services.envs.db import dialect
 from services.envs.db.grading import GROUP_CONCAT_MAX_LEN, combine_hashes, rows_hash
 from services.envs.db.tasks import Table
 
@@ -133,8 +136,10 @@ class SQLiteDB:
         self.conn.execute(f"PRAGMA max_page_count = {limits.max_db_pages}")
         for fname, (arity, fn) in _MYSQL_FUNCTIONS.items():
             self.conn.create_function(fname, arity, fn, deterministic=True)
+        dialect.install(self.conn)  # MySQL's case- and accent-insensitive text comparison and LIKE
         for t in self.tables:
-            cols = ", ".join(f"{quote(c)} {ty}" for c, ty in t.columns)
+            cols = ", ".join(f"{quote(c)} {ty}" + (f" COLLATE {dialect.COLLATION}" if ty == "TEXT" else "")
+                             for c, ty in t.columns)
             self.conn.execute(f"CREATE TABLE {quote(t.name)} ({cols})")
             marks = ", ".join("?" * len(t.columns))
             self.conn.executemany(f"INSERT INTO {quote(t.name)} VALUES ({marks})", t.rows)
@@ -175,7 +180,11 @@ class SQLiteDB:
         self._deadline = start + self.limits.timeout_s
         cur = self.conn.cursor()
         try:
-            cur.execute(sql)
+            try:
+                translated = dialect.translate(sql)
+            except dialect.DialectError as exc:
+                return Result(rows=None, text=f"Error: {exc}", error=str(exc), elapsed_s=time.monotonic() - start)
+            cur.execute(translated)
             if cur.description is None:
                 return Result(rows=None, text="[]", elapsed_s=time.monotonic() - start)
             rows, text, truncated = format_rows(cur, self.limits)
@@ -211,7 +220,7 @@ class SQLiteDB:
         """Run the reference SQL and undo it: (result rows, None) or (None, table hash after it)."""
         self.conn.execute("BEGIN")
         try:
-            cur = self.conn.execute(ref_sql)
+            cur = self.conn.execute(dialect.translate(ref_sql))
             rows = cur.fetchall() if cur.description is not None else None
             return (None, self.table_hash(max_len)) if modifies else (rows, None)
         finally:

@@ -6,8 +6,11 @@ gets a question and its topic entities by name, explores with ``get_relations``,
 hold the sets they build), and answers in text with ``Final Answer: #k`` within 15 rounds.
 Reward 1 for an exact set match with the gold answer (AgentBench's EM), F1 as a metric.
 
-Left out on purpose: AgentBench's one-shot example (off by default in its FC version too) and its
-union tool (not among the seven). Observations say, as AgentBench's do, only a variable's type, never
+Options as AgentBench: ``env.kg.one_shot`` (an example conversation on our graph before the question, as
+its std split), implicit prerequisites (``get_neighbors``/``argmax``/``argmin`` list relations/attributes
+themselves; ``env.kg.strict_prerequisites`` refuses instead), and the user's own Freebase graph as
+N-Triples with AgentBench-format questions (``env.kg.ntriples``, ``env.kg.agentbench_file``: ``ntriples.py``).
+Left out: its union tool (not among the seven). Observations say, as AgentBench's do, only a variable's type, never
 its members: the agent has to reason with the schema, not read answers off the screen.
 """
 
@@ -19,6 +22,7 @@ import random
 import re
 import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import structlog
@@ -95,8 +99,12 @@ def f1(predicted: set[str], gold_answer: set[str]) -> float:
 class KGEpisode(Episode):
     max_turns = MAX_ROUNDS
 
-    def __init__(self, kb: KB, task: dict[str, Any]) -> None:
+    def __init__(self, kb: KB, task: dict[str, Any], strict: bool = False,
+                 example: list[dict[str, Any]] | None = None) -> None:
         self.kb, self.task = kb, task
+        self.strict = strict  # refuse get_neighbors/argmax/argmin before get_relations/get_attributes
+        self.example = example or []  # one-shot: a solved conversation between the system prompt and the question
+        self.calls = 0  # tool calls that made or listed something (the oracle of AgentBench questions replays)
         self.variables: list[Variable] = []
         self.relations_seen: dict[str, set[str]] = {}  # program -> relations listed for it
         self.attributes_seen: dict[str, set[str]] = {}
@@ -107,7 +115,7 @@ class KGEpisode(Episode):
 
     def opening(self) -> list[dict[str, Any]]:
         entities = ", ".join(self.task["entities"])
-        return [{"role": "system", "content": INSTRUCTIONS.format(max_round=self.max_turns)},
+        return [{"role": "system", "content": INSTRUCTIONS.format(max_round=self.max_turns)}, *self.example,
                 {"role": "user", "content": f"{self.task['question']}\nEntities: [{entities}]"}]
 
     # ------------------------------------------------------------------ tool calls
@@ -135,6 +143,11 @@ class KGEpisode(Episode):
         return f"Observation: variable #{k}, which are instances of {var.type}"
 
     def call(self, tool: ToolCall) -> ToolResult:
+        result = self._call(tool)
+        self.calls += 1
+        return result
+
+    def _call(self, tool: ToolCall) -> ToolResult:
         args, name = tool.arguments, tool.name
         if name == "intersection":
             a, b = args["variable1"].strip(), args["variable2"].strip()
@@ -156,6 +169,8 @@ class KGEpisode(Episode):
         if name == "get_neighbors":
             relation = clip(args["relation"].strip(), 200)
             seen = self.relations_seen.get(var.program)
+            if seen is None and not self.strict:  # AgentBench lists them itself when the agent has not
+                seen = self.relations_seen[var.program] = set(self.kb.get_relations(var))
             if seen is None:
                 raise ToolError(f"get_neighbors({ref}, {relation}): call get_relations({ref}) first; the relation "
                                 "must be one it lists.")
@@ -170,6 +185,8 @@ class KGEpisode(Episode):
         if name in ("argmax", "argmin"):
             attribute = clip(args["attribute"].strip(), 200)
             seen = self.attributes_seen.get(var.program)
+            if seen is None and not self.strict:
+                seen = self.attributes_seen[var.program] = set(self.kb.get_attributes(var))
             if seen is None:
                 raise ToolError(f"{name}({ref}, {attribute}): call get_attributes({ref}) first; the attribute "
                                 "must be one it lists.")
@@ -202,8 +219,14 @@ class KGEpisode(Episode):
     # ------------------------------------------------------------------ oracle
     def oracle_call(self) -> ToolCall:
         """The next step of the task's program from the episode's current state (re-plans around any
-        variables already made, so it also finishes episodes that another policy started)."""
+        variables already made, so it also finishes episodes that another policy started). An AgentBench
+        question has no program: its recorded ``actions`` are replayed, from a fresh episode."""
         names = {mid: name for name, mid in self.task["entities"].items()}
+        if "program" not in self.task:
+            actions = self.task.get("actions") or []
+            if self.calls < len(actions):
+                return parse_action(actions[self.calls], names)
+            return ToolCall(name="", arguments={}, content=f"Final Answer: #{len(self.variables) - 1}")
         made = {v.program: i for i, v in enumerate(self.variables)}
 
         def plan(p: list[Any]) -> tuple[str, ToolCall | None]:
@@ -234,6 +257,63 @@ class KGEpisode(Episode):
 
         ref, call = plan(self.task["program"])
         return call or ToolCall(name="", arguments={}, content=f"Final Answer: {ref}")
+
+
+ACTION = re.compile(r"\s*(\w+)\((.*)\)\s*", re.S)
+
+
+def parse_action(action: str, names: dict[str, str]) -> ToolCall:
+    """``get_neighbors(m.09rl290,media_common.quotation.author)`` (AgentBench's recorded actions) as a call,
+    entity ids given by their names in the question, as an agent gives them."""
+    m = ACTION.fullmatch(action)
+    if m is None:
+        raise ValueError(f"not an action: {action!r}")
+    tool = next((t["function"] for t in TOOLS if t["function"]["name"] == m.group(1)), None)
+    if tool is None:
+        raise ValueError(f"unknown tool in action {action!r}")
+    values = [v.strip() for v in m.group(2).split(",")]
+    params = list(tool["parameters"]["properties"])
+    if len(values) != len(params):
+        raise ValueError(f"action {action!r}: {tool['name']} takes {', '.join(params)}")
+    return ToolCall(tool["name"], {k: names.get(v, v) for k, v in zip(params, values, strict=True)})
+
+
+ONE_SHOT_PATH = Path(__file__).with_name("one_shot.json")
+
+
+def one_shot_example() -> list[dict[str, Any]]:
+    """The example conversation of ``env.kg.one_shot``: a question of the project's own graph solved with the
+    tools (``python -m services.envs.kg one-shot`` writes it), in chat format, as AgentBench's ONE_SHOT."""
+    return json.loads(ONE_SHOT_PATH.read_text(encoding="utf-8"))
+
+
+def record_example(env: KGEnv, task_id: str, split: str = "train") -> list[dict[str, Any]]:
+    """Play the oracle on one question and keep the conversation (user question, assistant tool calls with
+    a one-line thought, tool observations, the final answer)."""
+    episode = env.open(task_id, split, 0)
+    entities = ", ".join(episode.task["entities"])
+    messages: list[dict[str, Any]] = [{"role": "user", "content": f"{episode.task['question']}\nEntities: [{entities}]"}]
+    for turn in range(episode.max_turns):
+        call = episode.oracle_call()
+        if not call.name:
+            messages.append({"role": "assistant", "content": f"Thought: this variable answers the question.\n"
+                                                             f"{call.content}"})
+            if episode.reply(call.content).reward != 1.0:
+                raise RuntimeError(f"the oracle's answer to {task_id} is not graded right")
+            return messages
+        thought = {"get_relations": "I look at the relations of {variable} to find the one to follow.",
+                   "get_neighbors": "I follow {relation} from {variable}.",
+                   "intersection": "The answer must be in both {variable1} and {variable2}.",
+                   "get_attributes": "I look at the numerical attributes of {variable}.",
+                   "argmax": "I take the member of {variable} with the largest {attribute}.",
+                   "argmin": "I take the member of {variable} with the smallest {attribute}.",
+                   "count": "I count the members of {variable}."}[call.name].format(**call.arguments)
+        call_id = f"call_{turn}"
+        messages.append({"role": "assistant", "content": f"Thought: {thought}", "tool_calls": [{
+            "id": call_id, "type": "function",
+            "function": {"name": call.name, "arguments": json.dumps(call.arguments, ensure_ascii=False)}}]})
+        messages.append({"role": "tool", "tool_call_id": call_id, "content": episode.call(call).content})
+    raise RuntimeError(f"the oracle did not answer {task_id} within {episode.max_turns} rounds")
 
 
 def random_call(episode: KGEpisode, rng: random.Random) -> ToolCall:
@@ -283,11 +363,19 @@ class KGEnv(TaskEnv):
     def __init__(self, cfg: EnvConfig, graph: Graph | None = None) -> None:
         t0 = time.perf_counter()
         self.cfg = cfg
+        if graph is None and cfg.kg.ntriples:  # the user's Freebase graph: their questions, no generated ones
+            from services.envs.kg.ntriples import open_ntriples
+
+            graph = open_ntriples(cfg.kg.ntriples, cfg.data_dir)
         self.graph = graph or open_graph(cfg.data_dir)
         self.kb = KB(self.graph, result_cap=cfg.kg.result_cap, timeout_s=cfg.kg.query_timeout_s)
-        self.tasks = {"train": self._task_set("train", cfg.num_train_tasks),
-                      "test": self._task_set("test", cfg.num_test_tasks)}
+        generated = not cfg.kg.ntriples
+        self.tasks = {"train": self._task_set("train", cfg.num_train_tasks) if generated else [],
+                      "test": self._task_set("test", cfg.num_test_tasks) if generated else []}
+        if cfg.kg.agentbench_file:
+            self.tasks["dev"] = load_agentbench(Path(cfg.kg.agentbench_file).expanduser())
         self.by_id = {split: {t["qid"]: t for t in tasks} for split, tasks in self.tasks.items()}
+        self.example = one_shot_example() if cfg.kg.one_shot else []
         log.info("kg_env_ready", triples=self.graph.meta["triples"], train=len(self.tasks["train"]),
                  test=len(self.tasks["test"]), load_s=round(time.perf_counter() - t0, 2))
 
@@ -317,7 +405,8 @@ class KGEnv(TaskEnv):
         return TaskLevel(int(task.get("level") or 0), kind)
 
     def open(self, task_id: str, split: str, seed: int) -> KGEpisode:
-        return KGEpisode(self.kb, self.by_id[split][task_id])  # KeyError -> 404 in the host
+        task = self.by_id[split][task_id]  # KeyError -> 404 in the host
+        return KGEpisode(self.kb, task, strict=self.cfg.kg.strict_prerequisites, example=self.example)
 
     def oracle(self, episode: Episode) -> ToolCall:
         assert isinstance(episode, KGEpisode)

@@ -22,13 +22,23 @@ import structlog
 
 from services.envs.base import Episode, TaskEnv, TaskLevel, ToolCall, ToolError, ToolResult
 from services.envs.os_task.sandbox import BwrapSandbox, Cgroup, DockerSandbox, Limits, Sandbox, ensure_rootfs
-from services.envs.os_task.tasks import COMPARISONS, OSTask, Script, content_key, generate_split, load_agentbench
+from services.envs.os_task.tasks import (
+    COMPARISONS,
+    OSTask,
+    Script,
+    content_key,
+    expand_task_files,
+    generate_split,
+    load_agentbench,
+)
 from shared.config import EnvConfig
 from shared.messages import EpisodeStatus
 
 log = structlog.get_logger()
 
 MAX_ROUNDS = 8  # AgentBench's round_limit for the OS task
+HIDDEN_SCRIPT = '__jetrl_c=$JETRL_CHECK; unset JETRL_CHECK; eval "$__jetrl_c"'
+SWITCH_USER = re.compile(r"(?:^|[\s;&|(])(?:su|login|sudo\s+(?:-\w*[is]\w*|su))(?:\s|$)")
 INIT_TIMEOUT_S = 120.0  # AgentBench waits for init without a limit; one training task sleeps 60 s
 
 SYSTEM_PROMPT = (
@@ -83,6 +93,7 @@ class OSEpisode(Episode):
         self.example_output: str | None = None
         self.metrics: dict[str, float] = {"bash_calls": 0.0, "timeouts": 0.0, "shell_restarts": 0.0}
         self.closed = False
+        self.shell_stopped = False  # grading stops the agent's shell (see judge)
 
     # ------------------------------------------------------------------ setup (called by OSEnv.open)
     def prepare(self) -> None:
@@ -93,8 +104,10 @@ class OSEpisode(Episode):
                 raise RuntimeError(f"init script of {self.task.task_id} failed ({res['code']}): "
                                    f"{(res['stderr'] or res['stdout'])[-500:]}")
         if self.task.start is not None:
-            self.sandbox.shell(self.task.start.code if self.task.start.language == "bash"
-                               else shlex.join(script_argv(self.task.start, [])), timeout=30.0)
+            code = (self.task.start.code if self.task.start.language == "bash"
+                    else shlex.join(script_argv(self.task.start, [])))
+            # AgentBench types `start` into the agent's shell: a `su - user` there switches it for the episode
+            self.sandbox.shell(code, timeout=30.0, stdin_pipe=SWITCH_USER.search(code) is not None)
         if self.task.fresh_gold and self.task.wants_answer and self.task.example is not None:
             res = self.sandbox.exec(script_argv(self.task.example, []), timeout=30.0)
             if res["code"] != 0:
@@ -191,17 +204,34 @@ class OSEpisode(Episode):
                 return answer == task.match["answer"], "match"
             return re.search(task.match["regex"], answer) is not None, "regex"
         params = [str(answer)]
-        for script in task.check or []:
-            if script is None and self.gold is not None:
+        # checks are ours, not the agent's: they get the most the host allows a tool call, not a command's limit
+        timeout = max(self.command_timeout, self.cfg.action_timeout_s - 1.0)
+        for entry in task.check or []:
+            if entry is None and self.gold is not None:
                 params.append(self.gold)
                 continue
-            script = script or task.example
+            script = entry or task.example
             assert script is not None  # the loader refuses a chain with None and no example
             if script.language == "builtin":
                 if len(params) < 2 or not COMPARISONS[script.code](params[0], params[1]):
                     return False, script.code
                 continue  # AgentBench's comparison scripts print nothing
-            res = self.sandbox.exec(script_argv(script, params), timeout=self.command_timeout)
+            argv = script_argv(script, params)
+            if entry is None:
+                # The gold is the example run again now. The agent counted processes from its own shell; here
+                # that shell is stopped and the example's shell stands in its place, with the script out of its
+                # command line, as the agent's `bash --login` had none (`ps -A | wc -l` then counts what it saw)
+                if not self.shell_stopped:
+                    self.sandbox.stop_shell()
+                    self.shell_stopped = True
+                if script.language == "bash":
+                    argv = ["bash", "-c", HIDDEN_SCRIPT, "bash", *params]
+                    env = {"JETRL_CHECK": script.code}
+                else:
+                    env = {}
+                res = self.sandbox.exec(argv, timeout=timeout, env=env)
+            else:
+                res = self.sandbox.exec(argv, timeout=timeout)
             if res["code"] != 0:
                 return False, f"check exit {res['code']}"
             params.append(res["stdout"])
@@ -219,13 +249,22 @@ class OSEnv(TaskEnv):
         self.skipped: dict[str, str] = {}
         train = generate_split("train", cfg.num_train_tasks)
         test = generate_split("test", cfg.num_test_tasks, exclude={content_key(t) for t in train})
-        for split, generated, files in (("train", train, cfg.os.agentbench_train),
-                                        ("test", test, cfg.os.agentbench_test)):
+        origin: dict[str, str] = {}  # task id -> the file it came from: two files must never share an id
+        for split, generated, entries in (("train", train, cfg.os.agentbench_train),
+                                          ("test", test, cfg.os.agentbench_test)):
             self.tasks[split].update((t.task_id, t) for t in generated)
-            for f in files:
-                loaded, skipped = load_agentbench(Path(f).expanduser())
-                self.tasks[split].update((t.task_id, t) for t in loaded)
-                self.skipped.update(skipped)
+            for entry in entries:
+                for task_file in expand_task_files(entry):
+                    loaded, skipped = load_agentbench(task_file.path, script_dir=task_file.script_dir)
+                    for task_id in [t.task_id for t in loaded] + list(skipped):
+                        if task_id in origin:
+                            raise ValueError(
+                                f"AgentBench task id {task_id} of {task_file.path} is also the id of a task of "
+                                f"{origin[task_id]}: list each file once, and give files with the same name "
+                                "AgentBench's layout (data/<N>/<name>.json), whose ids carry the folder")
+                        origin[task_id] = str(task_file.path)
+                    self.tasks[split].update((t.task_id, t) for t in loaded)
+                    self.skipped.update(skipped)
         if self.skipped:
             log.info("os_tasks_skipped", count=len(self.skipped), first=next(iter(self.skipped.items())))
         self._rootfs: dict[str, Path] = {}
@@ -277,7 +316,7 @@ class OSEnv(TaskEnv):
         task = episode.task
         if task.example is not None and episode.example_output is None:
             return ToolCall("bash_action", {"script": episode.oracle_script()})
-        if not task.wants_answer:
+        if not task.wants_answer and not task.reads_answer:
             return ToolCall("finish_action", {})
         if task.example is None:  # match-only task: the oracle knows the answer
             return ToolCall("answer_action", {"answer": str((task.match or {}).get("answer", ""))})

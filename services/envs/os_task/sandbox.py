@@ -20,6 +20,7 @@ import hashlib
 import io
 import json
 import os
+import resource
 import select
 import shutil
 import signal
@@ -50,7 +51,21 @@ PROC_MASKED = ["/proc/sysrq-trigger", "/proc/kcore", "/proc/keys", "/proc/timer_
                "/proc/latency_stats"]
 
 
-ROOTFS_RECIPE = 2  # bump when the build below changes: the cache key includes it
+SANDBOXD_HIDDEN = ["/proc/1/fdinfo", "/proc/1/map_files", "/proc/1/task/1/fdinfo"]
+
+ROOTFS_RECIPE = 3  # bump when the build below changes: the cache key includes it
+# Packages AgentBench's tasks `apt install` (its containers have a network; sandboxes do not): fetched from
+# Debian's archive at build time into a local repository inside the rootfs, which becomes apt's only source,
+# so `apt update` and `apt install sudo` work offline and `apt remove sudo` finds the package name.
+OFFLINE_PACKAGES = ["sudo", "net-tools"]
+LOCAL_REPO = "/var/lib/jetrl-apt"
+OFFLINE_APT_HOOK = (
+    f'set -e; mkdir -p "$1{LOCAL_REPO}"; '
+    f'chroot "$1" sh -c "cd {LOCAL_REPO} && apt-get download -q {" ".join(OFFLINE_PACKAGES)}"; '
+    f'chroot "$1" sh -c \'cd {LOCAL_REPO} && for f in *.deb; do dpkg-deb -f "$f"; echo "Filename: ./$f"; '
+    'echo "Size: $(stat -c %s "$f")"; echo "SHA256: $(sha256sum "$f" | cut -d" " -f1)"; echo; done > Packages\'; '
+    f'echo "deb [trusted=yes] file:{LOCAL_REPO} ./" > "$1/etc/apt/sources.list"; '
+    'rm -f "$1"/etc/apt/sources.list.d/*; chroot "$1" apt-get update -q')
 
 
 # --------------------------------------------------------------------------------------------- #
@@ -92,6 +107,20 @@ def seccomp_program() -> bytes | None:
     return b"".join(struct.pack("<HBBI", code, jt, jf, k) for code, jt, jf, k in ops)
 
 
+CAP_SYS_RESOURCE = 24
+
+
+def has_cap(bit: int) -> bool:
+    """Whether this process holds the capability (a replica in a container may lack some of root's)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("CapEff:"):
+                return bool(int(line.split()[1], 16) >> bit & 1)
+    except (OSError, ValueError):
+        pass
+    return False
+
+
 class SandboxError(RuntimeError):
     """The sandbox failed or died (not the agent's command failing)."""
 
@@ -103,14 +132,15 @@ class Limits:
     cpus: float = 1.0
     disk_mb: int = 512
     file_mb: int = 256
-    nofile: int = 1024
+    nofile: int = 1 << 20  # Docker's default (LimitNOFILE=1048576 of dockerd 20-24, AgentBench's era)
 
 
 # --------------------------------------------------------------------------------------------- #
 # The rootfs: built once, cached, shared read-only by every episode as the overlay's lower layer
 # --------------------------------------------------------------------------------------------- #
 def rootfs_path(cache_dir: Path, variant: str, suite: str, mirror: str) -> Path:
-    key = hashlib.sha256(json.dumps([ROOTFS_RECIPE, suite, mirror, VARIANT_PACKAGES[variant]]).encode()).hexdigest()[:10]
+    key = hashlib.sha256(json.dumps([ROOTFS_RECIPE, suite, mirror, VARIANT_PACKAGES[variant],
+                                     OFFLINE_PACKAGES]).encode()).hexdigest()[:10]
     return cache_dir / f"rootfs-{variant}-{suite}-{key}"
 
 
@@ -165,6 +195,8 @@ def ensure_rootfs(cache_dir: Path, variant: str = "default", suite: str = "bookw
                f"--include={','.join(VARIANT_PACKAGES[variant])}",
                # keep dpkg/apt logs: an image that ran apt-get has them, and tasks ask about /var/log/*.log
                "--skip=cleanup/reproducible",
+               # the local repository's package lists are the point of the hook: keep them
+               "--skip=cleanup/apt/lists", f"--customize-hook={OFFLINE_APT_HOOK}",
                suite, str(tmp), mirror]
         returncode, stderr = _run_with_progress(cmd, tmp, f"os rootfs {variant}",
                                                 env={**os.environ, "SOURCE_DATE_EPOCH": "1700000000"})
@@ -173,7 +205,8 @@ def ensure_rootfs(cache_dir: Path, variant: str = "default", suite: str = "bookw
             raise SandboxError(f"mmdebstrap failed ({returncode}): {stderr[-2000:]}")
         (tmp / "run" / "jetrl").mkdir(parents=True, exist_ok=True)  # sandboxd's bind target
         (tmp / ".jetrl-ready").write_text(json.dumps({"variant": variant, "suite": suite, "mirror": mirror,
-                                                       "packages": VARIANT_PACKAGES[variant]}))
+                                                       "packages": VARIANT_PACKAGES[variant],
+                                                       "offline_apt": OFFLINE_PACKAGES}))
         if path.exists():
             shutil.rmtree(path)
         tmp.rename(path)
@@ -294,13 +327,27 @@ class Sandbox:
             raise SandboxError(f"sandbox reply out of order or forged: {str(reply)[:200]}")
         return reply
 
-    def shell(self, script: str, timeout: float, cap: int = 1 << 20) -> dict[str, Any]:
-        """``{output, bytes, status, timed_out, restarted}``; the command ends after ``timeout`` seconds."""
-        return self._request({"op": "shell", "script": script, "timeout": timeout, "cap": cap}, timeout + 10)
+    def shell(self, script: str, timeout: float, cap: int = 1 << 20, stdin_pipe: bool = False) -> dict[str, Any]:
+        """``{output, bytes, status, timed_out, restarted}``; the command ends after ``timeout`` seconds.
+        ``stdin_pipe``: the script may read the shell's input (``su - user`` then switches the shell)."""
+        req = {"op": "shell", "script": script, "timeout": timeout, "cap": cap}
+        if stdin_pipe:
+            req["stdin_pipe"] = True
+        return self._request(req, timeout + 10)
 
-    def exec(self, argv: list[str], timeout: float, cap: int = 1 << 20, cwd: str = "/root") -> dict[str, Any]:
-        """``{code, stdout, stderr, timed_out}`` of a fresh process, like ``docker exec``."""
-        return self._request({"op": "exec", "argv": argv, "timeout": timeout, "cap": cap, "cwd": cwd}, timeout + 10)
+    def exec(self, argv: list[str], timeout: float, cap: int = 1 << 20, cwd: str = "/root",
+             env: dict[str, str] | None = None) -> dict[str, Any]:
+        """``{code, stdout, stderr, timed_out}`` of a fresh process, like ``docker exec`` (``env``: extra
+        variables)."""
+        req: dict[str, Any] = {"op": "exec", "argv": argv, "timeout": timeout, "cap": cap, "cwd": cwd}
+        if env:
+            req["env"] = env
+        return self._request(req, timeout + 10)
+
+    def stop_shell(self) -> None:
+        """End the agent's persistent shell (and a ``su`` session in it); its background processes go on. The
+        next ``shell`` call starts a new one."""
+        self._request({"op": "stop_shell"}, 10)
 
     def __enter__(self) -> Sandbox:
         return self
@@ -373,6 +420,11 @@ class BwrapSandbox(PipeSandbox):
         for path in PROC_MASKED:
             if os.path.exists(path):
                 bwrap += ["--ro-bind", "/dev/null", path]
+        # sandboxd (pid 1) is non-dumpable, so root in the sandbox may not list these folders of it, and
+        # `find / ...` would exit 1 where Docker's (dumpable) `sleep infinity` lets it pass: empty read-only
+        # folders stand over them (its fd links stay unreadable: the pipe to the host must stay private)
+        for path in SANDBOXD_HIDDEN:
+            bwrap += ["--tmpfs", path, "--remount-ro", path]
         pass_fds: tuple[int, ...] = ()
         program = seccomp_program()
         if program is not None:
@@ -384,14 +436,21 @@ class BwrapSandbox(PipeSandbox):
         bwrap += ["python3", "-I", "/run/jetrl/sandboxd.py"]
         # Stage 1 joins the cgroups, stage 2 (in a private mount namespace) mounts tmpfs + overlay.
         attach = 'while [ "$1" != -- ]; do echo $$ > "$1"; shift; done; shift; exec "$@"'
-        mount = ('set -e; ep=$1; lower=$2; size=$3; shift 3; '
+        # /etc/hosts names the sandbox's hostname, as Docker's does (sudo looks it up; written to the upper layer)
+        mount = ('set -e; ep=$1; lower=$2; size=$3; host=$4; shift 4; '
                  'mount -t tmpfs -o "size=$size,mode=0755" jetrl-os "$ep"; '
                  'mkdir "$ep/upper" "$ep/work" "$ep/root"; '
                  'mount -t overlay overlay -o "lowerdir=$lower,upperdir=$ep/upper,workdir=$ep/work" "$ep/root"; '
+                 'printf "127.0.0.1\\tlocalhost\\n::1\\tlocalhost ip6-localhost ip6-loopback\\n127.0.1.1\\t%s\\n" '
+                 '"$host" > "$ep/root/etc/hosts"; '
                  'exec "$@"')
-        argv = ["sh", "-c", attach, "jetrl-attach", *self.cgroup.procs_files, "--",
+        # the open-file limit the sandbox inherits: inside, nobody may raise a hard limit (no CAP_SYS_RESOURCE),
+        # and the replica's own may be lower than Docker's; prlimit (util-linux) sets it as root
+        n = limits.nofile if has_cap(CAP_SYS_RESOURCE) else min(limits.nofile, resource.getrlimit(resource.RLIMIT_NOFILE)[1])
+        nofile = ["prlimit", f"--nofile={n}:{n}", "--"] if shutil.which("prlimit") else []
+        argv = [*nofile, "sh", "-c", attach, "jetrl-attach", *self.cgroup.procs_files, "--",
                 "unshare", "--mount", "--propagation", "private", "--fork", "--kill-child=SIGKILL", "--",
-                "sh", "-c", mount, "jetrl-mount", str(self.ep_dir), str(rootfs), f"{limits.disk_mb}m", *bwrap]
+                "sh", "-c", mount, "jetrl-mount", str(self.ep_dir), str(rootfs), f"{limits.disk_mb}m", hostname, *bwrap]
         try:
             proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                     start_new_session=True, pass_fds=pass_fds)

@@ -116,6 +116,9 @@ def child_setup(cwd):
     for name, value in (("RLIMIT_NOFILE", CONFIG.get("nofile")), ("RLIMIT_FSIZE", CONFIG.get("fsize")),
                         ("RLIMIT_AS", CONFIG.get("address_space")), ("RLIMIT_CORE", 0)):
         if value is not None:
+            hard = resource.getrlimit(getattr(resource, name))[1]
+            if hard != resource.RLIM_INFINITY:
+                value = min(value, hard)  # no CAP_SYS_RESOURCE in here: a hard limit can only go down
             resource.setrlimit(getattr(resource, name), (value, value))
     try:  # the OOM killer should pick the agent's processes before this one
         with open("/proc/self/oom_score_adj", "w") as f:
@@ -125,7 +128,7 @@ def child_setup(cwd):
     os.chdir(cwd if os.path.isdir(cwd) else "/")
 
 
-def spawn(argv, stdin_fd, stdout_fd, stderr_fd, cwd="/root"):
+def spawn(argv, stdin_fd, stdout_fd, stderr_fd, cwd="/root", env=None):
     pid = os.fork()
     if pid == 0:
         try:
@@ -134,7 +137,7 @@ def spawn(argv, stdin_fd, stdout_fd, stderr_fd, cwd="/root"):
             os.dup2(stderr_fd, 2)
             os.closerange(3, 4096)
             child_setup(cwd)
-            os.execvpe(argv[0], argv, ENV)
+            os.execvpe(argv[0], argv, dict(ENV, **env) if env else ENV)
         except BaseException as exc:  # exec failed: say why on the child's stderr
             try:
                 os.write(2, (f"jetrl-sandbox: cannot run {argv[0]}: {exc}\n").encode())
@@ -158,6 +161,7 @@ class Shell:
     def __init__(self):
         self.pid = None
         self.last_t0 = 0
+        self.dead = False
         self.start()
 
     def start(self):
@@ -179,10 +183,16 @@ class Shell:
         time.sleep(0.01)
         reap()
 
-    def run(self, script, timeout, cap):
+    def run(self, script, timeout, cap, stdin_pipe=False):
+        """``stdin_pipe``: the script reads the shell's own input, so ``su - user`` in it goes on reading
+        the next commands (as in AgentBench's interactive shell): the shell now runs as that user."""
+        if self.dead:
+            self.dead = False
+            self.start()
         t0 = ticks_now()
         quoted = "$'" + "".join(chr(b) if chr(b) in SAFE else f"\\x{b:02x}" for b in script.encode()) + "'"
-        line = f"eval {quoted} < /dev/null\nprintf '\\n%s %d\\n' {MARK.decode()} $?\n"
+        redirect = "" if stdin_pipe else " < /dev/null"
+        line = f"eval {quoted}{redirect}\nprintf '\\n%s %d\\n' {MARK.decode()} $?\n"
         kept, total, window = bytearray(), 0, b""
         result = {"timed_out": False, "restarted": False, "status": None, "background_bytes": self.drain()}
         try:
@@ -238,6 +248,43 @@ class Shell:
         result.update(output=bytes(kept).decode("utf-8", "replace"), bytes=total)
         return result
 
+    def stop_chain(self):
+        """Kill the shell and the user-switching chain under it (``su`` -> the user's shell), nothing else:
+        background programs live on, as when an interactive session ends. ``run`` starts a new shell."""
+        chain, frontier = [self.pid], [self.pid]
+        while frontier:
+            parent, frontier = frontier, []
+            for pid in pids():
+                try:
+                    with open(f"/proc/{pid}/stat", "rb") as f:
+                        data = f.read()
+                    comm = data[data.index(b"(") + 1:data.rindex(b")")]
+                    ppid = int(data[data.rindex(b")") + 2:].split()[1])
+                except (OSError, ValueError, IndexError):
+                    continue
+                if ppid in parent and comm in (b"su", b"sudo", b"login", b"bash", b"sh", b"dash") \
+                        and (ppid != self.pid or comm in (b"su", b"sudo", b"login")):
+                    chain.append(pid)
+                    frontier.append(pid)
+        for pid in reversed(chain):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        deadline = time.monotonic() + 2.0  # gone from /proc before the next command counts processes
+        while time.monotonic() < deadline:
+            reap()
+            if all(start_ticks(pid) is None for pid in chain):
+                break
+            time.sleep(0.005)
+        for fd in (self.stdin, self.stdout):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self.stdin = self.stdout = -1  # never write to a closed descriptor number: another pipe may reuse it
+        self.dead = True
+
     def drain(self):
         """Throw away what background processes wrote since the last command; return how much."""
         total = 0
@@ -260,13 +307,13 @@ class Shell:
         result["restarted"] = True
 
 
-def run_exec(argv, timeout, cap, cwd="/root"):
+def run_exec(argv, timeout, cap, cwd="/root", env=None):
     """A fresh process, like ``docker exec``: stdout and stderr kept apart, exit code returned."""
     t0 = time.monotonic()
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
     with open(os.devnull, "rb") as devnull:
-        pid = spawn(argv, devnull.fileno(), out_w, err_w, cwd)
+        pid = spawn(argv, devnull.fileno(), out_w, err_w, cwd, env)
     os.close(out_w)
     os.close(err_w)
     streams = {out_r: bytearray(), err_r: bytearray()}
@@ -343,9 +390,14 @@ def main():
                 req = json.loads(line)
                 op = req["op"]
                 if op == "shell":
-                    reply = shell.run(req["script"], float(req["timeout"]), int(req["cap"]))
+                    reply = shell.run(req["script"], float(req["timeout"]), int(req["cap"]),
+                                      bool(req.get("stdin_pipe")))
                 elif op == "exec":
-                    reply = run_exec(req["argv"], float(req["timeout"]), int(req["cap"]), req.get("cwd", "/root"))
+                    reply = run_exec(req["argv"], float(req["timeout"]), int(req["cap"]), req.get("cwd", "/root"),
+                                     {str(k): str(v) for k, v in (req.get("env") or {}).items()})
+                elif op == "stop_shell":
+                    shell.stop_chain()
+                    reply = {}
                 elif op == "ping":
                     reply = {"pid": os.getpid(), "shell": shell.pid}
                 else:

@@ -17,6 +17,7 @@ tasks) would pay an agent that deletes the data and answers 0.
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import random
@@ -56,6 +57,14 @@ class OSTask:
     def wants_answer(self) -> bool:
         """Graded on an answer (match, or a chain comparing against the gold), not on the final state."""
         return self.match is not None or bool(self.check and any(s is None for s in self.check))
+
+
+    @property
+    def reads_answer(self) -> bool:
+        """A check script takes the answer as its argument (AgentBench's Q47: the path asked for, then the
+        state): the oracle must answer rather than finish."""
+        return any(s is not None and s.language != "builtin" and re.search(r"argv\[1\]|\$\{?[1@*]", s.code)
+                   for s in self.check or [])
 
 
 class Unavailable(ValueError):
@@ -161,10 +170,56 @@ def parse_agentbench(item: dict[str, Any], task_id: str, script_dir: Path | None
     return task
 
 
-def load_agentbench(path: Path, prefix: str = "ab", script_dir: Path | None = None
+def agentbench_script_dir(path: Path) -> Path:
+    """Where the scripts of an AgentBench task file are, in AgentBench's layout: ``data/<N>/x.json`` ->
+    ``scripts/<N>/``, ``data/dev.json`` -> ``scripts/dev/`` (as its configs/tasks/os.yaml pairs them);
+    else the file's own folder."""
+    if path.parent.parent.name == "data":
+        candidate = path.parent.parent.parent / "scripts" / path.parent.name
+    elif path.parent.name == "data":
+        candidate = path.parent.parent / "scripts" / path.stem
+    else:
+        return path.parent
+    return candidate if candidate.is_dir() else path.parent
+
+
+def agentbench_prefix(path: Path) -> str:
+    """``ab-<stem>``, or ``ab-<N>-<stem>`` for ``data/<N>/<stem>.json`` (AgentBench has several ``new.json``)."""
+    if path.parent.parent.name == "data":
+        return f"ab-{path.parent.name}-{path.stem}"
+    return f"ab-{path.stem}"
+
+
+@dataclass(frozen=True)
+class TaskFile:
+    path: Path
+    script_dir: Path
+
+
+def expand_task_files(entry: str) -> list[TaskFile]:
+    """One ``env.os.agentbench_*`` entry: ``FILE``, a glob (``data/4/*.json``), either with ``=SCRIPTS_DIR``
+    (AgentBench's ``script_dir``); without it the scripts folder is found by ``agentbench_script_dir``."""
+    pattern, sep, scripts = entry.rpartition("=") if "=" in entry else (entry, "", "")
+    pattern = str(Path(pattern).expanduser())
+    if any(ch in pattern for ch in "*?["):
+        paths = sorted(p for p in (Path(x) for x in glob.glob(pattern)) if p.suffix in (".json", ".jsonl"))
+        if not paths:
+            raise FileNotFoundError(f"no AgentBench task file matches {pattern!r}")
+    else:
+        paths = [Path(pattern)]
+        if not paths[0].is_file():
+            raise FileNotFoundError(f"AgentBench task file {pattern!r} does not exist")
+    script_dir = Path(scripts).expanduser() if sep else None
+    if script_dir is not None and not script_dir.is_dir():
+        raise FileNotFoundError(f"scripts folder {str(script_dir)!r} (after '=' in {entry!r}) does not exist")
+    return [TaskFile(p, script_dir or agentbench_script_dir(p)) for p in paths]
+
+
+def load_agentbench(path: Path, prefix: str = "", script_dir: Path | None = None
                     ) -> tuple[list[OSTask], dict[str, str]]:
-    """Tasks of an AgentBench .json/.jsonl file, ids ``<prefix>-<file stem>-<index>``, and the ids
-    skipped with their reason (e.g. dev tasks whose check scripts are not shipped)."""
+    """Tasks of an AgentBench .json/.jsonl file, ids ``<prefix>-<index>`` (default prefix:
+    ``agentbench_prefix``), and the ids skipped with their reason (e.g. a script file that is missing)."""
+    prefix = prefix or agentbench_prefix(path)
     text = path.read_text()
     items = [json.loads(line) for line in text.splitlines() if line.strip()] if path.suffix == ".jsonl" \
         else json.loads(text)
@@ -172,9 +227,9 @@ def load_agentbench(path: Path, prefix: str = "ab", script_dir: Path | None = No
         items = [items]
     tasks, skipped = [], {}
     for idx, item in enumerate(items):
-        task_id = f"{prefix}-{path.stem}-{idx:05d}"
+        task_id = f"{prefix}-{idx:05d}"
         try:
-            tasks.append(parse_agentbench(item, task_id, script_dir or path.parent))
+            tasks.append(parse_agentbench(item, task_id, script_dir or agentbench_script_dir(path)))
         except (Unavailable, KeyError, TypeError) as exc:
             skipped[task_id] = str(exc)
     return tasks, skipped
