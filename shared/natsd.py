@@ -78,6 +78,10 @@ class EmbeddedNats:
             "jetstream {\n"
             f'  store_dir: "{self.store_dir / "jetstream"}"\n'
             "  max_memory_store: 268435456\n"
+            # Streams' max_bytes (nats.traj_max_bytes, ...) are bounds on the data, but JetStream reserves them
+            # against max_file_store, which defaults to 75 % of the free disk: a few prefixes on one server (the
+            # tests) or a nearly full disk would refuse a run's streams outright. Real writes still need real disk.
+            "  max_file_store: 1099511627776\n"
             "}\n"
             + self.authorization
         )

@@ -194,6 +194,7 @@ def test_dashboard_in_a_real_browser_during_a_real_run(config: JetRLConfig, tmp_
     cfg.controller.group_size, cfg.controller.max_inflight = 2, 4
     cfg.rollout.max_new_tokens, cfg.rollout.concurrency = 12, 2
     cfg.trainer.steps, cfg.trainer.min_groups, cfg.trainer.lr = 3, 1, 1e-3
+    cfg.trainer.kl_coef = 0.01  # all-zero rewards still make a real step: versions only come from optimizer steps
     cfg.env.num_train_tasks, cfg.env.num_test_tasks = 8, 4
     roles = [("env-db", ["services.envs", "db"]), ("rollout", ["services.rollout"]),
              ("trainer", ["services.trainer"]), ("controller", ["services.controller"])]

@@ -141,7 +141,8 @@ def test_killed_rollout_replica_job_is_redelivered_and_counted_once(config: JetR
         sub = await nc.subscribe(subjects.action())
         while True:
             event = decode((await sub.next_msg(timeout=240)).data, ActionEvent)
-            name = by_pid.get(int(event.replica_id.rsplit("-", 1)[1]))
+            # replica ids are role-host-pid (plus a random token in a container): find the pid among its parts
+            name = next((by_pid[int(t)] for t in event.replica_id.split("-") if t.isdigit() and int(t) in by_pid), None)
             if name and name.startswith("rollout") and event.turn == 0:
                 procs[name].send_signal(signal.SIGKILL)
                 await nc.close()
