@@ -118,7 +118,9 @@ def role_permissions(subjects: Subjects, role: str) -> Permissions:
         raise AuthError(f"unknown role {role!r} (known: {', '.join(ROLES)})")
     # every service: look its streams up (declare_topology waits for them), heartbeat, dead-letter
     pub = [f"{API}.INFO", f"{API}.STREAM.NAMES", *(f"{API}.STREAM.INFO.{st}" for st in streams), f"$KV.{s.registry_kv}.>",
-           s.dead_letter(">")]
+           s.dead_letter(">"),
+           # the registry's keys: a container's healthcheck (shared/healthcheck.py) lists its replicas' heartbeats
+           *_stream_read(kv_registry), *_ephemeral_consumers(kv_registry)]
     sub = [inbox]
     if role == "trainer":
         pub += [s.weights_published, s.training_finished, s.metrics("trainer"),
@@ -128,7 +130,6 @@ def role_permissions(subjects: Subjects, role: str) -> Permissions:
     elif role == "controller":
         pub += [s.jobs(">"), s.run_control, s.metrics("controller"), s.env_tasks("*"), s.env_health("*"),
                 *_durable(s.traj_stream, s.controller_consumer), f"{API}.CONSUMER.INFO.{s.traj_stream}.*",
-                *_stream_read(kv_registry), *_ephemeral_consumers(kv_registry),  # registry keys: a KV watch
                 *_stream_read(kv_policy), *_ephemeral_consumers(kv_policy),
                 # the dashboard's trajectory viewer reads stored episodes (services/controller/board.py)
                 *_stream_read(s.episodes_stream), *_ephemeral_consumers(s.episodes_stream)]
