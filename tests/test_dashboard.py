@@ -16,7 +16,6 @@ import asyncio
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -36,6 +35,7 @@ from services.controller.controller import Controller
 from shared.bus import dead_letter, heartbeat_loop, publish_metrics
 from shared.config import JetRLConfig, save_config
 from shared.messages import ActionEvent, ObservationEvent, Trajectory, TurnInfo, encode
+from tests.procs import stop_processes
 
 REPO = Path(__file__).resolve().parent.parent
 DOCS_IMG = REPO / "docs" / "img"
@@ -293,12 +293,4 @@ def test_dashboard_in_a_real_browser_during_a_real_run(config: JetRLConfig, tmp_
             for name in ("dashboard.png", "trajectories.png", "trajectory.png"):
                 shutil.copy(run_dir / name, DOCS_IMG / name)
     finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in procs.values():
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        stop_processes(procs.values(), timeout_s=30)

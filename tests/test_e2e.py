@@ -23,6 +23,7 @@ from shared.bus import connect
 from shared.config import JetRLConfig, save_config
 from shared.messages import ActionEvent, Trajectory, WeightsAnnouncement, decode
 from shared.subjects import Subjects
+from tests.procs import stop_processes
 
 pytestmark = pytest.mark.slow
 
@@ -161,14 +162,7 @@ def test_killed_rollout_replica_job_is_redelivered_and_counted_once(config: JetR
         status = json.load(urllib.request.urlopen((run_dir / "controller.url").read_text().strip() + "/status",
                                                   timeout=5))
     finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in procs.values():
-            try:
-                p.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_processes(procs.values(), timeout_s=20)
 
     trajs = asyncio.run(read_stream(cfg, subjects.traj(">"), Trajectory))
     ids = [t.episode_id for t in trajs]

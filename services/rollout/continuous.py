@@ -11,8 +11,11 @@ Here:
 * **KV reuse.** A finished turn's cache stays resident. The next turn of the same episode extends it
   (its prompt starts with everything the cache holds), so only the new observation tokens are encoded.
   A request whose prompt shares a long prefix with a resident cache (the other episodes of a group, the
-  system prompt of a task) copies that prefix's keys/values instead of recomputing them; a request that
-  would share a prefix another request is encoding right now waits for it, then copies.
+  system prompt of a task) attends to that prefix's keys/values by reference (a sealed ``Segment``,
+  copied once out of the first sequence's tail) instead of recomputing them; a request that would
+  share a prefix another request is encoding right now waits for it, then shares it.
+* **One read per shared prefix.** A decode step attends to each segment once for every row that sees it
+  and to every sequence's own tail (``TailPool``) in one batched matmul, merged by log-sum-exp.
 * **Sampled tokens only.** The LM head runs on the one row per sequence that samples.
 
 Weights: an update stops admission, lets the running turns finish, swaps the weights and drops every

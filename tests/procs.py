@@ -1,0 +1,21 @@
+"""Helpers for tests that run the services as real processes."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+from collections.abc import Iterable
+
+
+def stop_processes(procs: Iterable[subprocess.Popen[bytes]], timeout_s: float = 30.0) -> None:
+    """SIGTERM every process still running, then wait for each; kill one that does not exit in time."""
+    procs = list(procs)
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
