@@ -33,6 +33,7 @@ from services.envs.os_task.tasks import (
 )
 from shared.config import EnvConfig, OSTaskConfig
 from shared.envapi import EnvClient, EnvError
+from tests.sandbox_checks import assert_limits_hold
 
 ALL_COMMANDS = ("bwrap", "mmdebstrap", "unshare", "mount")
 
@@ -147,16 +148,7 @@ def test_isolation_host_untouched_episode_goes_on(env: OSEnv, tmp_path: Path) ->
         assert out("unshare -U -r id 2>&1; unshare -m true 2>&1").count("Operation not permitted") == 2  # seccomp
         assert "empty" in out("echo hacked > /etc/hostname; echo 'evil:x:0:0::/:/bin/sh' >> /etc/passwd")
         assert "hacked" in out("cat /etc/hostname")
-        t0 = time.monotonic()
-        stopped = out("sleep 1000")
-        assert "ran longer than the 3s limit and was stopped" in stopped and time.monotonic() - t0 < 8
-        t0 = time.monotonic()
-        out(":(){ :|:& };:")  # a fork bomb: capped by the pids cgroup, then ended
-        assert "alive" in out("echo alive") and time.monotonic() - t0 < 10
-        assert int(out("ps -e --no-headers | wc -l").split()[-1]) < 20
-        hog = out("python3 -c 'b = bytearray(512 << 20); print(len(b))' 2>&1")  # past the 256 MB cap
-        assert str(512 << 20) not in hog and ("Killed" in hog or "MemoryError" in hog or "was stopped" in hog)
-        assert "alive" in out("echo alive")
+        assert_limits_hold(out)
         assert "No space left on device" in out("head -c 80M /dev/zero > /root/big; rm -f /root/big")  # 64 MB cap
         out("rm -rf --no-preserve-root / 2>/dev/null")
         assert "still here" in out("echo still here")  # a builtin: the shell lives on in its wreck

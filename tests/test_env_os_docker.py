@@ -16,6 +16,7 @@ from services.envs.base import ToolCall
 from services.envs.os_task import OSEnv, OSEpisode
 from services.envs.os_task.sandbox import DEBIAN_BASE, build_docker_images, docker_disk_cap
 from shared.config import EnvConfig, OSTaskConfig
+from tests.sandbox_checks import assert_limits_hold
 
 PREFIX = "jetrl-os"
 
@@ -110,16 +111,7 @@ def test_docker_isolation_host_untouched_episode_goes_on(env: OSEnv, client, tmp
         assert "Operation not permitted" in out("mknod /tmp/null c 1 3 2>&1")  # CAP_MKNOD dropped
         assert "empty" in out("echo hacked > /etc/hostname; echo 'evil:x:0:0::/:/bin/sh' >> /etc/passwd")
         assert "hacked" in out("cat /etc/hostname")
-        t0 = time.monotonic()
-        stopped = out("sleep 1000")
-        assert "ran longer than the 3s limit and was stopped" in stopped and time.monotonic() - t0 < 8
-        t0 = time.monotonic()
-        out(":(){ :|:& };:")  # a fork bomb: capped by the pids limit, then ended
-        assert "alive" in out("echo alive") and time.monotonic() - t0 < 10
-        assert int(out("ps -e --no-headers | wc -l").split()[-1]) < 20
-        hog = out("python3 -c 'b = bytearray(512 << 20); print(len(b))' 2>&1")  # past the 256 MB cap
-        assert str(512 << 20) not in hog and ("Killed" in hog or "MemoryError" in hog or "was stopped" in hog)
-        assert "alive" in out("echo alive")
+        assert_limits_hold(out)
         if docker_disk_cap(client, 64) is not None:  # storage drivers that can cap the writable layer
             assert "No space left on device" in out("head -c 80M /dev/zero > /root/big; rm -f /root/big")
         out("rm -rf --no-preserve-root / 2>/dev/null")
