@@ -136,6 +136,11 @@ class Bench:
                    f"--trainer.steps={self.args.sft_steps}", f"--trainer.lr={self.args.sft_lr}",
                    f"--trainer.min_groups={self.args.sft_batch}", f"--trainer.max_groups={self.args.sft_batch}",
                    "--rollouts=1", *self.args.sft_extra]
+            if self.args.sft_task_weights:
+                weights = json.loads(self.args.sft_task_weights)
+                if set(weights) != set(tasks):
+                    raise SystemExit(f"--sft-task-weights names {sorted(weights)}, the tasks are {sorted(tasks)}")
+                cmd.append(f"--controller.tasks={json.dumps(weights)}")
             self.results["runs"][name] = run_cmd(cmd, self.out / f"{name}.log", self.limit_s) | {"tasks": tasks}
             self.save()
         model = self.out / name / "model"
@@ -163,7 +168,7 @@ class Bench:
         if not self.done(name):
             cmd = [*self.base("up"), f"--run.dir={self.out / name}", f"--model.name={model}", tasks_arg(tasks),
                    f"--trainer.steps={self.args.rl_steps}", f"--rollouts={self.args.rollouts}",
-                   f"--stale-engines={stale_engines}", *extra]
+                   f"--stale-engines={stale_engines}", f"--controller.train_limit={self.args.rl_train_limit}", *extra]
             self.results["runs"][name] = run_cmd(cmd, self.out / f"{name}.log", self.limit_s) | {"tasks": tasks}
             self.save()
         final = self.out / name / "model"
@@ -389,7 +394,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sft-extra", nargs="*",
                    default=["--trainer.warmup_steps=0", "--trainer.lora_rank=0", "--trainer.torch_threads=2"],
                    help="extra overrides for the warm start only (every weight trains; the oracle needs no cores)")
+    p.add_argument("--sft-task-weights", default="",
+                   help='the warm start\'s demonstration mix, e.g. \'{"db": 1, "os": 1, "kg": 2}\' (default: RL\'s tasks, even)')
     p.add_argument("--rl-steps", type=int, default=40)
+    p.add_argument("--rl-train-limit", type=int, default=0,
+                   help="RL draws from the first N training tasks of each task type (0 = all); probes still use "
+                        "the eval split. Few tasks, each seen several times, is how the quickstart learns in minutes")
     p.add_argument("--rollouts", type=int, default=1, help="rollout replicas (RL and eval)")
     p.add_argument("--stale-engines", type=int, default=1, help="stale pool engines (variants with cross-policy)")
     p.add_argument("--cross-policy-prob", type=float, default=0.25)
