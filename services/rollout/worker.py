@@ -56,7 +56,7 @@ from shared.messages import (
     decode,
     encode,
 )
-from shared.model import bytes_to_weights, digest, load_state_file, merge_lora_delta
+from shared.model import load_state_file, merge_lora_delta, weights_from_buffer
 from shared.subjects import Subjects
 
 log = structlog.get_logger()
@@ -497,10 +497,12 @@ class RolloutWorker:
             if self.cfg.engine_kind == "stale" and note.version - self.engine.policy_version < self.cfg.stale_every:
                 return  # a stale engine skips versions on purpose (cross-policy sampling)
             started = time.monotonic()
-            data = await read_object(self.js, self.subjects.weights_bucket, note.object_name)
-            if digest(data) != note.digest:
-                raise ValueError(f"weights v{note.version}: digest mismatch ({digest(data)} != {note.digest})")
-            state = bytes_to_weights(data)
+            # one pass: the chunks are hashed against the announcement's digest (written by the trainer only,
+            # shared/auth.py) as they arrive, into one buffer the tensors below are views of
+            data = await read_object(self.js, self.subjects.weights_bucket, note.object_name,
+                                     expected_digest=note.digest)
+            received = time.monotonic()
+            state = weights_from_buffer(data)
             if note.format == "lora":  # an adapter: the full weights are the base's plus B @ A
                 if self.base_weights is None:
                     self.base_weights = await asyncio.to_thread(load_state_file, self.model_path)
@@ -508,8 +510,10 @@ class RolloutWorker:
             elif note.format != "full":
                 raise ValueError(f"weights v{note.version}: unknown format {note.format!r}")
             await self.engine.update_weights(state, note.version)
-            log.info("weights_loaded", policy_version=note.version, size=len(data),
-                     seconds=round(time.monotonic() - started, 3))
+            held = time.monotonic()
+            log.info("weights_loaded", policy_version=note.version, size=len(data), dtype=note.dtype,
+                     read_s=round(received - started, 3), hold_s=round(held - received, 3),
+                     seconds=round(held - started, 3))
 
     async def report_metrics(self, every_s: float = 5.0) -> None:
         while True:
