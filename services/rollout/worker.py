@@ -67,6 +67,14 @@ ORACLE_POLICY_VERSION = -1  # oracle turns come from no policy: for SFT, never f
 
 
 @dataclass
+class WeightsLoadTimes:
+    """One weights version into the engine (bench/bench_weights.py reports these)."""
+
+    read_s: float  # from the object store into one buffer, hashed as the chunks arrived
+    hold_s: float  # from that buffer (received, verified) to the engine holding the weights
+
+
+@dataclass
 class EpisodeBuffer:
     """Token-in/token-out record of one episode as it is played."""
 
@@ -490,12 +498,13 @@ class RolloutWorker:
             for task in helpers:
                 task.cancel()
 
-    async def _load(self, note: WeightsAnnouncement) -> None:
+    async def _load(self, note: WeightsAnnouncement) -> WeightsLoadTimes | None:
+        """Load one announced version into the engine; its times, or None when it was skipped."""
         async with self._weights_lock:
             if self.engine is None or note.version <= self.engine.policy_version:
-                return
+                return None
             if self.cfg.engine_kind == "stale" and note.version - self.engine.policy_version < self.cfg.stale_every:
-                return  # a stale engine skips versions on purpose (cross-policy sampling)
+                return None  # a stale engine skips versions on purpose (cross-policy sampling)
             started = time.monotonic()
             # one pass: the chunks are hashed against the announcement's digest (written by the trainer only,
             # shared/auth.py) as they arrive, into one buffer the tensors below are views of
@@ -514,6 +523,7 @@ class RolloutWorker:
             log.info("weights_loaded", policy_version=note.version, size=len(data), dtype=note.dtype,
                      read_s=round(received - started, 3), hold_s=round(held - received, 3),
                      seconds=round(held - started, 3))
+            return WeightsLoadTimes(read_s=received - started, hold_s=held - received)
 
     async def report_metrics(self, every_s: float = 5.0) -> None:
         while True:
