@@ -93,7 +93,8 @@ async def connect(cfg: NatsConfig, name: str, url: str | None = None, role: str 
     if not target:
         raise ValueError("no NATS url: set nats.url or start an embedded server (jetrl up does)")
     nc = await nats.connect(
-        target,
+        # a cluster's members, comma-separated: the client tries each and reconnects to a live one
+        [u.strip() for u in target.split(",") if u.strip()],
         name=name,
         connect_timeout=cfg.connect_timeout_s,
         max_reconnect_attempts=-1,
