@@ -2,7 +2,7 @@
 into one cluster, every stream and bucket R3 (``nats.stream_replicas = 3``), ``jetrl up`` training the tiny
 model on it. Mid-run the node leading the trajectory stream is killed (SIGKILL, not restarted): the run
 still reaches its last step on the two nodes left, and counted by episode id (as tests/test_faults.py
-counts) no episode is lost or stored twice. ``make test-faults`` runs it (minutes).
+counts) no episode is lost or stored twice. About 35 s here, so it runs in the default tier.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from shared.natsd import EmbeddedCluster
 from shared.subjects import Subjects
 from tests.test_faults import count_episodes, fault_config, steps_done
 
-pytestmark = pytest.mark.faults
+pytestmark = pytest.mark.slow  # ~35 s here: the default tier (the fault tier takes what runs past ~60 s)
 
 REPO = Path(__file__).resolve().parent.parent
 
