@@ -9,13 +9,17 @@ Wall-clock MB/s on a shared machine mostly measures its other tenants, so every 
 MB per CPU-second (this process plus the nats-server): what the path costs, whatever the load.
 
 2. The real path into one replica: a trainer-side ``weights_to_bytes`` + put of a model's weights
-   (fp32 and the bf16 broadcast option), then ``RolloutWorker._load``, i.e. read_object, digest check,
-   ``bytes_to_weights`` and the engine's in-place update (``--engine continuous``, the default engine,
-   or ``hf``), timed end to end. With ``--lora-rank R`` also a LoRA version as a LoRA run broadcasts it:
-   the adapter alone (``lora_delta_bytes``, fp32), which the replica adds to its base weights
-   (``merge_lora_delta``) before the same in-place update.
+   (fp32 and the bf16 broadcast option), then ``RolloutWorker._load`` (read_object hashing each chunk
+   into one buffer, ``weights_from_buffer`` views, the engine's in-place copy; ``--engine continuous``,
+   the default engine, or ``hf``), alternating on the same object with ``load_before``, the replica's
+   path before issue 18 (join, two SHA-256 passes, ``safetensors.torch.load``, ``.to`` + ``copy_``).
+   Reported: received -> held (the object in memory to the engine holding it) and end to end. With
+   ``--lora-rank R`` also a LoRA version as a LoRA run broadcasts it: the adapter alone
+   (``lora_delta_bytes``, fp32), which the replica adds to its base weights (``merge_lora_delta``)
+   before the same in-place update (today's path only).
 
     python bench/bench_weights.py                      # the figures in docs/benchmarks/scale_out.md
+    python bench/bench_weights.py --sizes 100 --chunks 1024 --models tiny,smollm2 --repeats 3  # weights.md
     python bench/bench_weights.py --sizes 25 --repeats 3 --models tiny   # quick look
 """
 
