@@ -9,13 +9,17 @@ Wall-clock MB/s on a shared machine mostly measures its other tenants, so every 
 MB per CPU-second (this process plus the nats-server): what the path costs, whatever the load.
 
 2. The real path into one replica: a trainer-side ``weights_to_bytes`` + put of a model's weights
-   (fp32 and the bf16 broadcast option), then ``RolloutWorker._load``, i.e. read_object, digest check,
-   ``bytes_to_weights`` and the engine's in-place update (``--engine continuous``, the default engine,
-   or ``hf``), timed end to end. With ``--lora-rank R`` also a LoRA version as a LoRA run broadcasts it:
-   the adapter alone (``lora_delta_bytes``, fp32), which the replica adds to its base weights
-   (``merge_lora_delta``) before the same in-place update.
+   (fp32 and the bf16 broadcast option), then ``RolloutWorker._load`` (read_object hashing each chunk
+   into one buffer, ``weights_from_buffer`` views, the engine's in-place copy; ``--engine continuous``,
+   the default engine, or ``hf``), alternating on the same object with ``load_before``, the replica's
+   path before issue 18 (join, two SHA-256 passes, ``safetensors.torch.load``, ``.to`` + ``copy_``).
+   Reported: received -> held (the object in memory to the engine holding it) and end to end. With
+   ``--lora-rank R`` also a LoRA version as a LoRA run broadcasts it: the adapter alone
+   (``lora_delta_bytes``, fp32), which the replica adds to its base weights (``merge_lora_delta``)
+   before the same in-place update (today's path only).
 
     python bench/bench_weights.py                      # the figures in docs/benchmarks/scale_out.md
+    python bench/bench_weights.py --sizes 100 --chunks 1024 --models tiny,smollm2 --repeats 3  # weights.md
     python bench/bench_weights.py --sizes 25 --repeats 3 --models tiny   # quick look
 """
 
@@ -23,6 +27,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
+import hashlib
 import json
 import os
 import statistics
@@ -34,11 +40,11 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from nats.js.api import ObjectMeta, ObjectMetaOptions  # noqa: E402
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, ObjectMeta, ObjectMetaOptions  # noqa: E402
 
 from services.rollout.continuous import ContinuousEngine  # noqa: E402
 from services.rollout.engine import HFEngine  # noqa: E402
-from services.rollout.worker import RolloutWorker  # noqa: E402
+from services.rollout.worker import RolloutWorker, WeightsLoadTimes  # noqa: E402
 from shared.bus import connect, declare_topology, read_object  # noqa: E402
 from shared.config import ModelConfig, NatsConfig, RolloutConfig  # noqa: E402
 from shared.messages import WeightsAnnouncement  # noqa: E402
@@ -118,9 +124,61 @@ def lora_model(path: Path, rank: int) -> Any:
     return model
 
 
+# ----------------------------------------------------------------- the replica's path before issue 18, for comparison
+async def read_object_before(js: Any, bucket: str, name: str, window_bytes: int = 16 * 1024**2) -> bytes:
+    """``shared.bus.read_object`` as it was: the chunks joined into one ``bytes``, then a SHA-256 pass
+    against the store's digest."""
+    store = await js.object_store(bucket)
+    info = await store.get_info(name)
+    sub = await js.pull_subscribe(
+        Subjects.object_chunks(bucket, info.nuid), stream=Subjects.object_stream(bucket),
+        config=ConsumerConfig(ack_policy=AckPolicy.NONE, deliver_policy=DeliverPolicy.ALL, inactive_threshold=30.0),
+        pending_bytes_limit=1024**3, pending_msgs_limit=1_000_000)
+    chunks: list[bytes] = []
+    per_batch = max(1, window_bytes // -(-info.size // info.chunks))
+    try:
+        while len(chunks) < info.chunks:
+            chunks.extend(m.data for m in await sub.fetch(min(per_batch, info.chunks - len(chunks)), timeout=10.0))
+    finally:
+        await sub.unsubscribe()
+    data = b"".join(chunks)
+    expected = base64.urlsafe_b64decode(info.digest.split("=", 1)[1])
+    if len(data) != info.size or hashlib.sha256(data).digest() != expected:
+        raise ValueError("digest mismatch")
+    return data
+
+
+def load_weights_into_before(model: Any, state: dict[str, Any]) -> None:
+    """``load_weights_into`` as it was: each tensor converted by ``.to`` (a temporary for bf16), then copied;
+    a tied ``lm_head`` copied twice."""
+    import torch
+
+    own = model.state_dict()
+    with torch.no_grad():
+        for name, tensor in state.items():
+            own[name].copy_(tensor.to(own[name].dtype))
+
+
+async def load_before(js: Any, bucket: str, name: str, sha256_hex: str, engine: Any) -> WeightsLoadTimes:
+    """The replica's load before issue 18: read (join + SHA-256), SHA-256 again against the announcement,
+    ``safetensors.torch.load`` (a copy of every tensor), then ``.to`` + ``copy_`` into the model. The engine is
+    idle during the bench, so the copy runs in a helper thread as the engine's own thread ran it."""
+    from safetensors.torch import load
+
+    started = time.perf_counter()
+    data = await read_object_before(js, bucket, name)
+    received = time.perf_counter()
+    if hashlib.sha256(data).hexdigest() != sha256_hex:
+        raise ValueError("digest mismatch")
+    state = load(data)
+    await asyncio.to_thread(load_weights_into_before, engine.model, state)
+    return WeightsLoadTimes(read_s=received - started, hold_s=time.perf_counter() - received)
+
+
 async def into_replica(nc: Any, js: Any, subjects: Subjects, model_name: str, dtypes: list[str],
                        repeats: int, engine_kind: str = "continuous", lora_rank: int = 0) -> list[dict[str, Any]]:
-    """The trainer's publish and the replica's load, as the services run them."""
+    """The trainer's publish and the replica's load, as the services run them; the path before issue 18
+    (``load_before``) and today's (``RolloutWorker._load``) alternate on the same object, ``repeats`` times each."""
     path = resolve_model(ModelConfig(name=model_name))
     model = load_model(path)
     tokenizer = load_tokenizer(path)
@@ -143,30 +201,41 @@ async def into_replica(nc: Any, js: Any, subjects: Subjects, model_name: str, dt
                 data = await asyncio.to_thread(weights_to_bytes, model, dtype)
             serialise_s = time.perf_counter() - started
             name = f"policy-{model_name}-{fmt}-{dtype}"
-            put_s, _ = await _timed(lambda: store.put(name, data), 1)  # noqa: B023
+            # 1 MiB chunks, as the trainer writes them (services/trainer/trainer.py)
+            meta = ObjectMeta(name=name, options=ObjectMetaOptions(max_chunk_size=1024 * 1024))
+            put_s, _ = await _timed(lambda: store.put(name, data, meta=meta), 1)  # noqa: B023
+            started = time.perf_counter()
             note_digest = digest(data)
+            digest_s = time.perf_counter() - started
+            sha256_hex = hashlib.sha256(data).hexdigest()
             size = len(data) / MB
-            times = []
+            before: list[WeightsLoadTimes] = []
+            now: list[WeightsLoadTimes] = []
             for _ in range(repeats):
+                if fmt == "full":  # the old path had the same LoRA merge: compared on full weights only
+                    before.append(await load_before(js, subjects.weights_bucket, name, sha256_hex, engine))
                 note = WeightsAnnouncement(version=engine.policy_version + 1, object_name=name, digest=note_digest,
                                            size=len(data), dtype=dtype, format=fmt)
-                started = time.perf_counter()
-                await worker._load(note)
-                times.append(time.perf_counter() - started)
-                assert engine.policy_version == note.version
-            read_s, _ = await _timed(lambda: read_object(js, subjects.weights_bucket, name), repeats)  # noqa: B023
-            read_cpu = CPU["last"]
-            load_s = statistics.median(times)
+                times = await worker._load(note)
+                assert times is not None and engine.policy_version == note.version
+                now.append(times)
             row = {"model": model_name, "dtype": dtype if fmt == "full" else f"LoRA r{lora_rank} adapter ({dtype})",
-                   "size_mb": size, "serialise_s": serialise_s, "put_s": put_s,
-                   "read_object_mb_s": size / read_s, "read_object_mb_per_cpu_s": size / read_cpu,
-                   "replica_load_s": load_s, "replica_mb_s": size / load_s}
+                   "size_mb": size, "serialise_s": serialise_s, "put_s": put_s, "digest_s": digest_s,
+                   **_path_figures("now", now, size), **(_path_figures("before", before, size) if before else {})}
             rows.append(row)
             print(json.dumps(row), flush=True)
             await store.delete(name)
     finally:
         engine.close()
     return rows
+
+
+def _path_figures(label: str, loads: list[WeightsLoadTimes], size_mb: float) -> dict[str, float]:
+    read_s = statistics.median(t.read_s for t in loads)
+    hold_s = statistics.median(t.hold_s for t in loads)
+    total_s = statistics.median(t.read_s + t.hold_s for t in loads)
+    return {f"{label}_read_s": read_s, f"{label}_hold_s": hold_s, f"{label}_total_s": total_s,
+            f"{label}_held_mb_s": size_mb / hold_s, f"{label}_total_mb_s": size_mb / total_s}
 
 
 def markdown(raw: list[dict[str, Any]], real: list[dict[str, Any]]) -> str:
@@ -177,12 +246,19 @@ def markdown(raw: list[dict[str, Any]], real: list[dict[str, Any]]) -> str:
                else "not run (quadratic) | -")
         out.append(f"| {r['size_mb']:g} MB | {r['chunk_kib']} KiB | {r['put_mb_s']:.0f} | "
                    f"{r['read_object_mb_s']:.0f} | {r['read_object_mb_per_cpu_s']:.0f} | {get} |")
-    out += ["", "| model | dtype | bytes | serialise s | put s | read_object MB/s | read_object MB per CPU-s "
-            "| into replica s | into replica MB/s |", "|---|---|---|---|---|---|---|---|---|"]
+    out += ["", "received -> held: from the object in the replica's memory to the engine holding it; end to end: "
+            "from the first read to the engine holding it (medians).", "",
+            "| model | dtype | bytes | serialise s | put s | digest s (trainer) | before: read s | before: received "
+            "-> held | before: end to end | now: read s | now: received -> held | now: end to end |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in real:
+        before = (f"{r['before_read_s']:.2f} | {r['before_hold_s']:.2f} s, {r['before_held_mb_s']:.0f} MB/s | "
+                  f"{r['before_total_s']:.2f} s, {r['before_total_mb_s']:.0f} MB/s" if "before_read_s" in r
+                  else "- | - | -")
         out.append(f"| {r['model']} | {r['dtype']} | {r['size_mb']:.1f} MB | {r['serialise_s']:.2f} | "
-                   f"{r['put_s']:.2f} | {r['read_object_mb_s']:.0f} | {r['read_object_mb_per_cpu_s']:.0f} | "
-                   f"{r['replica_load_s']:.2f} | {r['replica_mb_s']:.0f} |")
+                   f"{r['put_s']:.2f} | {r['digest_s']:.2f} | {before} | {r['now_read_s']:.2f} | "
+                   f"{r['now_hold_s']:.2f} s, {r['now_held_mb_s']:.0f} MB/s | "
+                   f"{r['now_total_s']:.2f} s, {r['now_total_mb_s']:.0f} MB/s |")
     return "\n".join(out)
 
 
@@ -211,7 +287,7 @@ async def main(args: argparse.Namespace) -> None:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sizes", type=lambda s: [float(x) for x in s.split(",")], default=[25.0, 100.0, 270.0],
+    parser.add_argument("--sizes", type=lambda s: [float(x) for x in s.split(",") if x], default=[25.0, 100.0, 270.0],
                         help="raw object sizes, MB")
     parser.add_argument("--chunks", type=lambda s: [int(x) for x in s.split(",")], default=[128, 1024, 4096],
                         help="object-store chunk sizes, KiB (128 = nats-py's default, what the trainer uses)")

@@ -41,7 +41,14 @@ from typing import Any
 
 import structlog
 
-from shared.auth import ROLES, controller_token, generate_passwords, password_env_var, server_authorization
+from shared.auth import (
+    CLUSTER_PASSWORD_ENV,
+    ROLES,
+    controller_token,
+    generate_passwords,
+    password_env_var,
+    server_authorization,
+)
 from shared.bus import connect, declare_topology
 from shared.config import TASKS, JetRLConfig, describe, load_config, save_config
 from shared.log import setup_logging
@@ -564,8 +571,9 @@ def cmd_topology(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def cmd_secrets(args: argparse.Namespace) -> int:
-    """Random secrets for compose: one NATS password per role (JETRL_NATS_<ROLE>_PASSWORD) and the status
-    API's token (JETRL_CONTROLLER_TOKEN), as an env file compose reads. An existing file is kept."""
+    """Random secrets for compose: one NATS password per role (JETRL_NATS_<ROLE>_PASSWORD), the cluster's route
+    password (JETRL_NATS_CLUSTER_PASSWORD) and the status API's token (JETRL_CONTROLLER_TOKEN), as an env file
+    compose reads. An existing file is kept."""
     import secrets
 
     path = Path(args.env)
@@ -573,12 +581,13 @@ def cmd_secrets(args: argparse.Namespace) -> int:
         print(f"jetrl secrets: {path} exists, kept (delete it to make new secrets)")
         return 0
     lines = [f"{password_env_var(role)}={secrets.token_urlsafe(24)}" for role in ROLES]
+    lines.append(f"{CLUSTER_PASSWORD_ENV}={secrets.token_urlsafe(24)}")  # compose/docker-compose.cluster.yml's routes
     lines.append(f"JETRL_CONTROLLER_TOKEN={secrets.token_urlsafe(24)}")
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as fh:
         fh.write("# JetRL compose secrets (jetrl secrets): keep private, never commit\n" + "\n".join(lines) + "\n")
-    print(f"jetrl secrets: wrote {path} ({len(ROLES)} NATS passwords and the status API token)")
+    print(f"jetrl secrets: wrote {path} ({len(ROLES)} NATS passwords, the cluster's route password and the status API token)")
     return 0
 
 

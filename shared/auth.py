@@ -157,6 +157,11 @@ def password_env_var(role: str) -> str:
     return f"JETRL_NATS_{role.upper()}_PASSWORD"
 
 
+CLUSTER_PASSWORD_ENV = "JETRL_NATS_CLUSTER_PASSWORD"
+"""The password of the ``route`` user the nodes of compose's 3-node cluster (compose/docker-compose.cluster.yml)
+route to each other with: a server that does not know it cannot join the cluster."""
+
+
 def server_authorization(subjects: Subjects, passwords: dict[str, str] | None = None) -> str:
     """The nats-server ``authorization`` block: one user per role of ``ROLES``. With ``passwords``
     they are written in (the embedded server's config, mode 0600); without, each is the environment

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import hashlib
 import os
 import socket
 import ssl
@@ -39,6 +38,7 @@ from nats.js.object_store import ObjectStore
 
 from shared.auth import credentials, manages_topology
 from shared.config import NatsConfig
+from shared.digest import new_hasher, split_digest
 from shared.messages import MAX_MESSAGE_BYTES, BadMessage, DeadLetter, Heartbeat, M, MetricsReport, decode, encode, now
 from shared.subjects import Subjects
 
@@ -93,7 +93,8 @@ async def connect(cfg: NatsConfig, name: str, url: str | None = None, role: str 
     if not target:
         raise ValueError("no NATS url: set nats.url or start an embedded server (jetrl up does)")
     nc = await nats.connect(
-        target,
+        # a cluster's members, comma-separated: the client tries each and reconnects to a live one
+        [u.strip() for u in target.split(",") if u.strip()],
         name=name,
         connect_timeout=cfg.connect_timeout_s,
         max_reconnect_attempts=-1,
@@ -312,33 +313,53 @@ async def heartbeat_loop(js: JetStreamContext, subjects: Subjects, role: str, re
         await asyncio.sleep(every_s)
 
 
-async def read_object(js: JetStreamContext, bucket: str, name: str, window_bytes: int = 16 * 1024**2) -> bytes:
-    """Read a whole object-store object fast. nats-py's ``ObjectStore.get`` grows one ``bytes`` by
-    concatenation over a flow-controlled push consumer (~12 MB/s for 25 MB here); this pulls every
-    chunk through an ack-less ephemeral pull consumer in big batches, joins once (~200-400 MB/s) and
-    checks the SHA-256 digest the store recorded. One batch asks for at most ``window_bytes``: the
-    server drops a client with more than 64 MiB undelivered (slow consumer), and weights are bigger."""
+async def read_object(js: JetStreamContext, bucket: str, name: str, window_bytes: int = 16 * 1024**2,
+                      expected_digest: str | None = None) -> bytearray:
+    """Read a whole object-store object fast, into one buffer, checked by one hash pass.
+
+    nats-py's ``ObjectStore.get`` grows one ``bytes`` by concatenation over a flow-controlled push consumer
+    (~12 MB/s for 25 MB here); this pulls every chunk through an ack-less ephemeral pull consumer in big
+    batches and writes each into a buffer of the object's size as it arrives (no join, no second copy;
+    ``shared.model.weights_from_buffer`` makes tensors that are views into it). Each chunk is hashed as it
+    arrives: against ``expected_digest`` (``algorithm:hex``, e.g. a ``WeightsAnnouncement``'s BLAKE3) when
+    given, else against the SHA-256 the store recorded, never both. One batch asks for at most
+    ``window_bytes``: the server drops a client with more than 64 MiB undelivered (slow consumer), and
+    weights are bigger."""
     store = await js.object_store(bucket)
     info = await store.get_info(name)
     if not info.nuid:
         raise ValueError(f"object {name!r} in {bucket!r} has no data")
-    if not info.size:
-        return b""
-    sub = await js.pull_subscribe(
-        Subjects.object_chunks(bucket, info.nuid), stream=Subjects.object_stream(bucket),
-        config=ConsumerConfig(ack_policy=AckPolicy.NONE, deliver_policy=DeliverPolicy.ALL, inactive_threshold=30.0),
-        pending_bytes_limit=1024**3, pending_msgs_limit=1_000_000,
-    )
-    chunks: list[bytes] = []
-    per_batch = max(1, window_bytes // -(-info.size // info.chunks))
-    try:
-        while len(chunks) < info.chunks:
-            want = min(per_batch, info.chunks - len(chunks))
-            chunks.extend(m.data for m in await sub.fetch(want, timeout=10.0))
-    finally:
-        await sub.unsubscribe()
-    data = b"".join(chunks)
-    expected = base64.urlsafe_b64decode(info.digest.split("=", 1)[1]) if info.digest else None
-    if len(data) != info.size or (expected is not None and hashlib.sha256(data).digest() != expected):
-        raise ValueError(f"object {name!r}: got {len(data)} bytes of {info.size}, or a digest mismatch")
-    return data
+    if expected_digest is not None:
+        algorithm, want = split_digest(expected_digest)
+    elif info.digest:
+        algorithm, want = "sha256", base64.urlsafe_b64decode(info.digest.split("=", 1)[1]).hex()
+    else:
+        algorithm, want = "sha256", None
+    hasher = new_hasher(algorithm)
+    buf = bytearray(info.size)
+    if info.size:
+        view = memoryview(buf)
+        sub = await js.pull_subscribe(
+            Subjects.object_chunks(bucket, info.nuid), stream=Subjects.object_stream(bucket),
+            config=ConsumerConfig(ack_policy=AckPolicy.NONE, deliver_policy=DeliverPolicy.ALL, inactive_threshold=30.0),
+            pending_bytes_limit=1024**3, pending_msgs_limit=1_000_000,
+        )
+        per_batch = max(1, window_bytes // -(-info.size // info.chunks))
+        got = filled = 0
+        try:
+            while got < info.chunks:
+                for msg in await sub.fetch(min(per_batch, info.chunks - got), timeout=10.0):
+                    end = filled + len(msg.data)
+                    if end > info.size:
+                        raise ValueError(f"object {name!r}: chunks exceed its size of {info.size} bytes")
+                    view[filled:end] = msg.data
+                    hasher.update(msg.data)
+                    filled, got = end, got + 1
+        finally:
+            await sub.unsubscribe()
+            view.release()  # a bytearray with an exported view cannot be resized or handed on safely
+        if filled != info.size:
+            raise ValueError(f"object {name!r}: got {filled} bytes of {info.size}")
+    if want is not None and hasher.hexdigest() != want:
+        raise ValueError(f"object {name!r}: {algorithm} digest mismatch ({hasher.hexdigest()} != {want})")
+    return buf

@@ -36,7 +36,8 @@ def opt(default: Any, help: str) -> Any:
 
 @dataclass
 class NatsConfig:
-    url: str = opt("", "nats:// URL of a running server; empty = start an embedded nats-server")
+    url: str = opt("", "nats:// URL of a running server (a cluster's members comma-separated); empty = start "
+                       "an embedded nats-server")
     prefix: str = opt("jetrl", "namespace for every subject, stream and bucket of this run")
     creds_file: str = opt("", "NATS credentials file (JWT + nkey), if the server wants one")
     user: str = opt("", "user name, for servers with plain user/password auth")
@@ -45,7 +46,8 @@ class NatsConfig:
     tls_cert: str = opt("", "client certificate for mutual TLS")
     tls_key: str = opt("", "client key for mutual TLS")
     connect_timeout_s: float = opt(5.0, "seconds to wait for one connection attempt")
-    stream_replicas: int = opt(1, "JetStream replicas per stream (3 on a clustered server)")
+    stream_replicas: int = opt(1, "JetStream replicas per stream and bucket (3 on a 3-node cluster: one node may "
+                                  "die without losing a message)")
     password_file: str = opt("", "file holding the password for `user` (a Docker secret), instead of `password`")
     auth_dir: str = opt("", "directory of per-role passwords (<role>.password, as jetrl up writes them): each "
                             "service connects as the user named after its role (shared/auth.py)")

@@ -12,8 +12,9 @@ Rollout and trainer must load the *same* weights and tokenizer, so both resolve 
 from __future__ import annotations
 
 import fcntl
-import hashlib
 import io
+import json
+import math
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -23,6 +24,7 @@ from typing import Any
 import torch
 
 from shared.config import ModelConfig
+from shared.digest import digest  # noqa: F401  (re-exported: the trainer's and tests' name for it)
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -211,18 +213,60 @@ def load_state_file(path: Path) -> dict[str, torch.Tensor]:
 
 
 def bytes_to_weights(data: bytes) -> dict[str, torch.Tensor]:
+    """Tensors that own their memory (a copy of ``data``); ``weights_from_buffer`` makes none."""
     from safetensors.torch import load
 
-    return load(data)
+    return load(bytes(data))
 
 
-def digest(data: bytes) -> str:
-    return "sha256:" + hashlib.sha256(data).hexdigest()
+# safetensors dtype names -> torch dtypes (the ones a broadcast or a checkpoint may hold)
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+                       "U8": torch.uint8, "BOOL": torch.bool}
+
+
+def weights_from_buffer(buf: bytearray) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors object as views into ``buf``: no byte is copied (``safetensors.torch.load``
+    copies every tensor out of its input). The views keep ``buf`` alive; nobody may write ``buf`` while they
+    live. Only the header is read here, and checked: a tensor outside the data or of the wrong size is refused.
+    Format: 8 bytes little-endian header length, a JSON header ``{name: {dtype, shape, data_offsets}}``, the data.
+    """
+    if len(buf) < 8:
+        raise ValueError(f"weights: {len(buf)} bytes is no safetensors object")
+    header_len = int.from_bytes(buf[:8], "little")
+    if header_len > len(buf) - 8:
+        raise ValueError(f"weights: header of {header_len} bytes in an object of {len(buf)}")
+    try:
+        header = json.loads(bytes(buf[8:8 + header_len]))
+    except ValueError as exc:
+        raise ValueError(f"weights: unreadable safetensors header ({exc})") from None
+    if not isinstance(header, dict):
+        raise ValueError("weights: the safetensors header is not a JSON object")
+    start, size = 8 + header_len, len(buf) - 8 - header_len
+    state: dict[str, torch.Tensor] = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype = _SAFETENSORS_DTYPES[entry["dtype"]]
+            shape = [int(d) for d in entry["shape"]]
+            begin, end = (int(o) for o in entry["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise ValueError(f"weights: tensor {name!r} has a bad header entry {entry!r}") from None
+        count = math.prod(shape)
+        if not 0 <= begin <= end <= size or end - begin != count * dtype.itemsize or min(shape, default=0) < 0:
+            raise ValueError(f"weights: tensor {name!r} {entry['dtype']}{shape} does not fit bytes {begin}..{end} "
+                             f"of {size}")
+        flat = torch.frombuffer(buf, dtype=dtype, count=count, offset=start + begin) if count else torch.empty(0, dtype=dtype)
+        state[name] = flat.view(shape)
+    return state
 
 
 def load_weights_into(model: torch.nn.Module, state: dict[str, torch.Tensor],
                       allow_extra: tuple[str, ...] = ("lm_head.weight",)) -> None:
-    """Copy broadcast weights into a live model in place (dtype converted; unknown names refused).
+    """Copy broadcast weights into a live model in place (unknown names refused). One copy per tensor, the
+    dtype converted inside it (a bfloat16 broadcast into a float32 model makes no temporary). A tensor whose
+    memory another name already filled (a tied ``lm_head``) is copied once.
     ``lm_head.weight`` may come extra: ``weights_to_bytes`` writes it out even when it is tied."""
     own = model.state_dict()
     state = {k: v for k, v in state.items() if k in own or k not in allow_extra}
@@ -232,9 +276,18 @@ def load_weights_into(model: torch.nn.Module, state: dict[str, torch.Tensor],
     missing = [k for k in own if k not in state]
     if missing:
         raise ValueError(f"weights do not match the model: missing tensors {missing[:5]}")
+    mismatched = [f"{k} {tuple(v.shape)} != {tuple(own[k].shape)}" for k, v in state.items() if v.shape != own[k].shape]
+    if mismatched:
+        raise ValueError(f"weights do not match the model: shapes {mismatched[:3]}")
+    filled: set[tuple[int, int, torch.dtype]] = set()
     with torch.no_grad():
         for name, tensor in state.items():
-            own[name].copy_(tensor.to(own[name].dtype))
+            target = own[name]
+            where = (target.data_ptr(), target.numel(), target.dtype)
+            if where in filled:
+                continue
+            filled.add(where)
+            target.copy_(tensor)
 
 
 def save_checkpoint(weights: bytes, optimizer: torch.optim.Optimizer, step: int, path: Path,

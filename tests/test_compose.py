@@ -111,3 +111,48 @@ def test_local_profile_puts_every_service_on_the_host_network_off_the_host_nats_
     from shared.messages import MAX_MESSAGE_BYTES
 
     assert int(re.search(r"max_payload:\s*(\d+)", conf).group(1)) >= MAX_MESSAGE_BYTES
+
+
+def test_cluster_profile_runs_three_authenticated_nats_nodes_with_r3_streams(tmp_path: Path) -> None:
+    """compose/docker-compose.cluster.yml: three nats-server nodes routed into one JetStream cluster (each its
+    own store, the generated per-role conf, routes that need `jetrl secrets`' cluster password), and every JetRL
+    service of the main file connecting to all three with R3 streams. tests/test_cluster.py runs the same
+    topology on loopback and kills a node."""
+    from jetrl.cli import main as jetrl_main
+    from shared.auth import CLUSTER_PASSWORD_ENV
+
+    path = REPO / "compose" / "docker-compose.cluster.yml"
+    proc = subprocess.run([sys.executable, "-m", "check_jsonschema", "--builtin-schema", "vendor.compose-spec",
+                           str(path)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    cluster = yaml.safe_load(path.read_text())
+    main = yaml.safe_load(COMPOSE.read_text())
+    nodes = {name: svc for name, svc in cluster["services"].items() if name.startswith("nats")}
+    assert set(nodes) == {"nats", "nats-2", "nats-3"}
+    names, stores = set(), set()
+    for name, svc in nodes.items():
+        cmd = svc["command"]
+        flags = dict(zip(cmd, cmd[1:], strict=False))  # each flag -> the word after it
+        assert "-js" in cmd and flags["-c"] == "/etc/nats/jetrl.conf" and flags["--cluster_name"] == "jetrl", name
+        assert "./nats-server.conf:/etc/nats/jetrl.conf:ro" in svc["volumes"], name  # the generated users
+        assert f"route:${{{CLUSTER_PASSWORD_ENV}:?" in flags["--cluster"], name  # routes must authenticate
+        routes = flags["--routes"].split(",")
+        assert [r.rsplit("@", 1)[1] for r in routes] == ["nats:6222", "nats-2:6222", "nats-3:6222"], name
+        assert all(r.startswith(f"nats://route:${{{CLUSTER_PASSWORD_ENV}}}@") for r in routes), name
+        assert "ports" not in svc or name == "nats", name  # only the main file's node publishes 4222
+        names.add(flags["--server_name"])
+        stores |= {v.split(":")[0] for v in svc["volumes"] if v.endswith(":/data")}
+    assert len(names) == len(stores) == 3
+    jetrl_services = set(main["services"]) - {"nats"}
+    assert set(cluster["services"]) - set(nodes) == jetrl_services
+    for name in jetrl_services:
+        overlay = cluster["services"][name]
+        assert set(overlay["depends_on"]) == set(nodes), name
+        env = {**{k: str(v) for k, v in main["services"][name]["environment"].items()},
+               **{k: str(v) for k, v in overlay["environment"].items()}}
+        cfg = load_config(None, environ=env)
+        assert cfg.nats.stream_replicas == 3, name
+        assert cfg.nats.url.split(",") == ["nats://nats:4222", "nats://nats-2:4222", "nats://nats-3:4222"], name
+    env_file = tmp_path / ".env"
+    assert jetrl_main(["secrets", "--env", str(env_file)]) == 0
+    assert f"\n{CLUSTER_PASSWORD_ENV}=" in env_file.read_text()

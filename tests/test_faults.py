@@ -110,27 +110,31 @@ async def stream_messages(nc, stream: str, subject: str) -> list[bytes]:
 
 
 async def account(run_dir: Path, prefix: str) -> dict[str, object]:
-    """Restart the run's own JetStream store and count, by episode id: jobs published (JOBS' last
-    sequence: the controller publishes each job once, deduplicated by episode id), jobs still queued,
-    trajectories stored, and dead letters."""
-    subjects = Subjects(prefix)
+    """Restart the run's own JetStream store and count its episodes (``count_episodes``)."""
     with EmbeddedNats(run_dir / "nats", log_file=run_dir / "nats" / "audit.log") as url:
-        cfg = JetRLConfig()
-        nc = await connect(cfg.nats, "audit", url=url)
-        js = nc.jetstream()
-        jobs_info = await js.stream_info(subjects.jobs_stream)
-        queued = []  # a work-queue stream takes no ordered consumer: read what is left message by message
-        if jobs_info.state.messages:
-            for seq in range(jobs_info.state.first_seq, jobs_info.state.last_seq + 1):
-                try:
-                    queued.append(decode((await js.get_msg(subjects.jobs_stream, seq)).data, EpisodeJob).episode_id)
-                except Exception:  # acked and removed
-                    pass
-        raw_trajs = await stream_messages(nc, subjects.traj_stream, subjects.traj(">"))
-        trajs = [decode(d, Trajectory) for d in raw_trajs]
-        letters = [decode(d, DeadLetter) for d in await stream_messages(nc, subjects.dlq_stream,
-                                                                         subjects.dead_letter(">"))]
-        await nc.close()
+        nc = await connect(JetRLConfig().nats, "audit", url=url)
+        try:
+            return await count_episodes(nc, Subjects(prefix))
+        finally:
+            await nc.close()
+
+
+async def count_episodes(nc, subjects: Subjects) -> dict[str, object]:
+    """Count, by episode id: jobs published (JOBS' last sequence: the controller publishes each job once,
+    deduplicated by episode id), jobs still queued, trajectories stored, and dead letters."""
+    js = nc.jetstream()
+    jobs_info = await js.stream_info(subjects.jobs_stream)
+    queued = []  # a work-queue stream takes no ordered consumer: read what is left message by message
+    if jobs_info.state.messages:
+        for seq in range(jobs_info.state.first_seq, jobs_info.state.last_seq + 1):
+            try:
+                queued.append(decode((await js.get_msg(subjects.jobs_stream, seq)).data, EpisodeJob).episode_id)
+            except Exception:  # acked and removed
+                pass
+    raw_trajs = await stream_messages(nc, subjects.traj_stream, subjects.traj(">"))
+    trajs = [decode(d, Trajectory) for d in raw_trajs]
+    letters = [decode(d, DeadLetter) for d in await stream_messages(nc, subjects.dlq_stream,
+                                                                     subjects.dead_letter(">"))]
     stored = [t.episode_id for t in trajs]
     published = int(jobs_info.state.last_seq)
     return {"published": published, "queued": len(queued), "stored": len(set(stored)),

@@ -17,7 +17,17 @@ from services.rollout.worker import RolloutWorker
 from shared.bus import read_object
 from shared.config import ConfigError, JetRLConfig, load_config
 from shared.messages import WeightsAnnouncement
-from shared.model import digest, load_model, load_tokenizer, quiet_transformers, resolve_model, weights_to_bytes
+from shared.model import (
+    bytes_to_weights,
+    digest,
+    load_model,
+    load_tokenizer,
+    quiet_transformers,
+    resolve_model,
+    weights_from_buffer,
+    weights_to_bytes,
+    weights_to_bytes_of,
+)
 
 
 async def test_read_object_bigger_than_the_servers_client_buffer(nc, subjects) -> None:
@@ -30,6 +40,56 @@ async def test_read_object_bigger_than_the_servers_client_buffer(nc, subjects) -
     await store.put(name, data, meta=ObjectMeta(name=name, options=ObjectMetaOptions(max_chunk_size=1024**2)))
     assert await read_object(js, subjects.weights_bucket, name) == data
     assert await read_object(js, subjects.weights_bucket, name, window_bytes=1) == data  # one chunk a batch
+
+
+async def test_read_object_checks_one_digest(nc, subjects) -> None:
+    """The announcement's digest (BLAKE3, or SHA-256 from an older trainer) when given, else the store's
+    own SHA-256: a mismatch, or an algorithm nobody knows, is refused."""
+    js = nc.jetstream()
+    store = await js.object_store(subjects.weights_bucket)
+    data = os.urandom(3 * 1024**2 + 17)
+    await store.put("obj", data, meta=ObjectMeta(name="obj", options=ObjectMetaOptions(max_chunk_size=1024**2)))
+    for algorithm in ("blake3", "sha256"):
+        assert await read_object(js, subjects.weights_bucket, "obj", expected_digest=digest(data, algorithm)) == data
+        with pytest.raises(ValueError, match=f"{algorithm} digest mismatch"):
+            await read_object(js, subjects.weights_bucket, "obj", expected_digest=digest(data[1:], algorithm))
+    with pytest.raises(ValueError, match="expected one of"):
+        await read_object(js, subjects.weights_bucket, "obj", expected_digest="md5:" + "0" * 32)
+    assert digest(data).startswith("blake3:")  # what the trainer writes
+    assert await read_object(js, subjects.weights_bucket, "obj") == data  # the store's SHA-256
+
+
+def test_weights_from_buffer_are_views_of_the_received_bytes() -> None:
+    """Same tensors as safetensors' own loader, for both broadcast dtypes, without a copy: each tensor's
+    memory lies inside the buffer."""
+    gen = torch.Generator().manual_seed(0)
+    state = {"a": torch.randn(7, 5, generator=gen), "b.weight": torch.randn(3, generator=gen),
+             "scalar": torch.tensor(2.5), "empty": torch.zeros(0, 4)}
+    for dtype in ("float32", "bfloat16"):
+        buf = bytearray(weights_to_bytes_of(state, dtype))
+        views, reference = weights_from_buffer(buf), bytes_to_weights(bytes(buf))
+        assert views.keys() == reference.keys() == state.keys()
+        start = torch.frombuffer(buf, dtype=torch.uint8).data_ptr()
+        for name, view in views.items():
+            assert view.dtype == getattr(torch, dtype) and torch.equal(view, reference[name]), name
+            if view.numel():
+                assert start <= view.data_ptr() < start + len(buf), name
+
+
+def test_weights_from_buffer_refuses_a_bad_object() -> None:
+    good = bytearray(weights_to_bytes_of({"w": torch.ones(4, 4)}))
+    header_len = int.from_bytes(good[:8], "little")
+    with pytest.raises(ValueError, match="no safetensors object"):
+        weights_from_buffer(bytearray(b"abc"))
+    with pytest.raises(ValueError, match="header of"):
+        weights_from_buffer(bytearray((10**9).to_bytes(8, "little")) + good[8:])
+    with pytest.raises(ValueError, match="unreadable safetensors header"):
+        weights_from_buffer(bytearray(header_len.to_bytes(8, "little")) + b"{" * header_len + good[8 + header_len:])
+    with pytest.raises(ValueError, match="does not fit"):
+        weights_from_buffer(good[:-4])  # the data is cut short
+    lying = good.replace(b'"shape":[4,4]', b'"shape":[4,5]')
+    with pytest.raises(ValueError, match="does not fit"):
+        weights_from_buffer(lying)
 
 
 @pytest.fixture(scope="module")
@@ -85,6 +145,13 @@ async def test_corrupt_broadcast_is_refused(nc, subjects, config, tiny) -> None:
     with pytest.raises(ValueError, match="digest"):
         await worker._load(WeightsAnnouncement(version=before + 1, object_name=name, digest=digest(data[:-1]),
                                                size=len(data), dtype="float32"))
+    assert tiny["engine"].policy_version == before
+    # an object the announcement vouches for, but shaped for another model: refused before any tensor is copied
+    other = weights_to_bytes_of({"model.embed_tokens.weight": torch.zeros(3, 3)})
+    await store.put(name, other)
+    with pytest.raises(ValueError, match="do not match the model"):
+        await worker._load(WeightsAnnouncement(version=before + 1, object_name=name, digest=digest(other),
+                                               size=len(other), dtype="float32"))
     assert tiny["engine"].policy_version == before
 
 

@@ -31,7 +31,7 @@ from nats.js.errors import NotFoundError
 
 from services.controller.board import RunBoard
 from services.controller.report import eval_report
-from shared.bus import decode_or_dead_letter
+from shared.bus import TRANSIENT, decode_or_dead_letter, publish_retrying
 from shared.config import JetRLConfig
 from shared.envapi import EnvClient, EnvError
 from shared.messages import (
@@ -150,7 +150,10 @@ class Controller:
                 job = EpisodeJob(episode_id=f"{group_id}-{i}", group_id=group_id, task=task, task_id=task_id,
                                  group_size=size, temperature=self.cfg.controller.temperature,
                                  max_new_tokens=self.cfg.rollout.max_new_tokens)
-                await self.js.publish(self.subjects.jobs(task), encode(job), headers={"Nats-Msg-Id": job.episode_id})
+                # retried while a server restarts or a cluster elects a new JOBS leader (no stream response):
+                # the episode id as Nats-Msg-Id keeps a retry whose first try landed from being queued twice
+                await publish_retrying(self.js, self.subjects.jobs(task), encode(job),
+                                       headers={"Nats-Msg-Id": job.episode_id})
                 self.inflight[job.episode_id] = time.time()
                 self.books[task].published += 1
             self.groups_published += 1
@@ -179,8 +182,8 @@ class Controller:
                         job = EpisodeJob(episode_id=f"{group_id}-{i}", group_id=group_id, task=task, task_id=task_id,
                                          split=c.eval_split, group_size=samples[name],
                                          temperature=temperature[name], max_new_tokens=self.cfg.rollout.max_new_tokens)
-                        await self.js.publish(self.subjects.jobs(task), encode(job),
-                                              headers={"Nats-Msg-Id": job.episode_id})
+                        await publish_retrying(self.js, self.subjects.jobs(task), encode(job),
+                                               headers={"Nats-Msg-Id": job.episode_id})
                         self.inflight[job.episode_id] = time.time()
                         self.books[task].published += 1
         while len(self.inflight) and not stop.is_set():
@@ -228,7 +231,7 @@ class Controller:
             self._backlog = int(info.num_pending or 0) + int(info.num_ack_pending or 0)
         except NotFoundError:
             self._backlog = len(self.finished)
-        except (TimeoutError, NatsTimeout) as exc:
+        except TRANSIENT as exc:  # a restart, or a new leader being elected in a cluster
             log.warning("trainer_backlog_unknown", error=repr(exc))  # keep the last reading
         return self._backlog
 

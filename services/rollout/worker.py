@@ -56,7 +56,7 @@ from shared.messages import (
     decode,
     encode,
 )
-from shared.model import bytes_to_weights, digest, load_state_file, merge_lora_delta
+from shared.model import load_state_file, merge_lora_delta, weights_from_buffer
 from shared.subjects import Subjects
 
 log = structlog.get_logger()
@@ -64,6 +64,14 @@ log = structlog.get_logger()
 MAX_DELIVER = 5
 ORACLE_ENGINE_ID = "oracle"
 ORACLE_POLICY_VERSION = -1  # oracle turns come from no policy: for SFT, never for RL ratios
+
+
+@dataclass
+class WeightsLoadTimes:
+    """One weights version into the engine (bench/bench_weights.py reports these)."""
+
+    read_s: float  # from the object store into one buffer, hashed as the chunks arrived
+    hold_s: float  # from that buffer (received, verified) to the engine holding the weights
 
 
 @dataclass
@@ -490,17 +498,20 @@ class RolloutWorker:
             for task in helpers:
                 task.cancel()
 
-    async def _load(self, note: WeightsAnnouncement) -> None:
+    async def _load(self, note: WeightsAnnouncement) -> WeightsLoadTimes | None:
+        """Load one announced version into the engine; its times, or None when it was skipped."""
         async with self._weights_lock:
             if self.engine is None or note.version <= self.engine.policy_version:
-                return
+                return None
             if self.cfg.engine_kind == "stale" and note.version - self.engine.policy_version < self.cfg.stale_every:
-                return  # a stale engine skips versions on purpose (cross-policy sampling)
+                return None  # a stale engine skips versions on purpose (cross-policy sampling)
             started = time.monotonic()
-            data = await read_object(self.js, self.subjects.weights_bucket, note.object_name)
-            if digest(data) != note.digest:
-                raise ValueError(f"weights v{note.version}: digest mismatch ({digest(data)} != {note.digest})")
-            state = bytes_to_weights(data)
+            # one pass: the chunks are hashed against the announcement's digest (written by the trainer only,
+            # shared/auth.py) as they arrive, into one buffer the tensors below are views of
+            data = await read_object(self.js, self.subjects.weights_bucket, note.object_name,
+                                     expected_digest=note.digest)
+            received = time.monotonic()
+            state = weights_from_buffer(data)
             if note.format == "lora":  # an adapter: the full weights are the base's plus B @ A
                 if self.base_weights is None:
                     self.base_weights = await asyncio.to_thread(load_state_file, self.model_path)
@@ -508,8 +519,11 @@ class RolloutWorker:
             elif note.format != "full":
                 raise ValueError(f"weights v{note.version}: unknown format {note.format!r}")
             await self.engine.update_weights(state, note.version)
-            log.info("weights_loaded", policy_version=note.version, size=len(data),
-                     seconds=round(time.monotonic() - started, 3))
+            held = time.monotonic()
+            log.info("weights_loaded", policy_version=note.version, size=len(data), dtype=note.dtype,
+                     read_s=round(received - started, 3), hold_s=round(held - received, 3),
+                     seconds=round(held - started, 3))
+            return WeightsLoadTimes(read_s=received - started, hold_s=held - received)
 
     async def report_metrics(self, every_s: float = 5.0) -> None:
         while True:

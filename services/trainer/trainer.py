@@ -552,7 +552,9 @@ class Trainer:
         meta = ObjectMeta(name=name, options=ObjectMetaOptions(max_chunk_size=1024 * 1024))
         # retried across a NATS restart: a put again replaces the object, the KV write and announcement repeat
         await retrying("weights_put", lambda: store.put(name, data, meta=meta))
-        note = WeightsAnnouncement(version=self.policy_version, object_name=name, digest=digest(data), size=len(data),
+        # BLAKE3 (shared/digest.py): each replica checks its copy against it in one pass while the chunks arrive
+        note = WeightsAnnouncement(version=self.policy_version, object_name=name,
+                                   digest=await asyncio.to_thread(digest, data), size=len(data),
                                    dtype=self.cfg.broadcast_dtype, format="lora" if self.lora else "full")
         kv = await self.js.key_value(self.subjects.policy_kv)
         await retrying("policy_kv_put", lambda: kv.put(self.subjects.policy_version_key, encode(note)))
