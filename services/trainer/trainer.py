@@ -422,6 +422,9 @@ class Trainer:
                     share.seq_advantages.append(seq_adv[kept[i]])
                     share.weights.append(weights[kept[i]])
                     share.minibatch.append(m)
+        if self.world > 1:  # how even the split is (tokens each rank runs)
+            loads = [sum(len(t.tokens) for t in share.trajs) for share in shares]
+            stats.update({"train/rank_tokens_min": float(min(loads)), "train/rank_tokens_max": float(max(loads))})
         return shares, stats
 
     def train_share(self, share: RankShare) -> dict[str, Any]:
