@@ -213,6 +213,44 @@ def test_two_ranks_resume_with_their_optimizer_state(tmp_path: Path, two_ranks: 
     assert worst < 1e-4, worst
 
 
+@DEEPSPEED
+@pytest.mark.slow
+def test_jetrl_up_with_two_trainer_ranks_trains_and_resumes(config: JetRLConfig, tmp_path: Path) -> None:
+    """``jetrl up --trainer-ranks 2``: torchrun, two DeepSpeed ranks behind one trainer service, two steps
+    with checkpoints; then ``--resume`` with a third step: both ranks load their shards and the run goes
+    on from step 2 at its policy version."""
+    pytest.importorskip("deepspeed", reason="deepspeed not installed: make test-deepspeed installs it")
+    from shared.config import save_config
+    from tests.test_e2e import small_config
+
+    cfg = small_config(config, tmp_path)
+    cfg_path = tmp_path / "ranks.toml"
+    save_config(cfg, cfg_path)
+    run_dir = Path(cfg.run.dir)
+    env = dict(os.environ, DS_BUILD_OPS="0", PYTHONPATH=str(REPO))
+
+    def up(*extra: str) -> str:
+        proc = subprocess.run([sys.executable, "-m", "jetrl.cli", "up", "--config", str(cfg_path), "--rollouts", "1",
+                               "--trainer-ranks", "2", *extra], cwd=REPO, env=env, capture_output=True, text=True,
+                              timeout=600)
+        trainer_log = (run_dir / "logs" / "trainer.log").read_text()
+        assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}\n{trainer_log[-6000:]}"
+        return trainer_log
+
+    log_text = up()
+    assert log_text.count("deepspeed_ready") == 2 and "world=2" in log_text  # both ranks, one service
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2] and all("train/rank_tokens_min" in r for r in rows)
+    assert (run_dir / "checkpoints" / "step_000002" / "deepspeed").is_dir()
+    version = rows[-1]["policy_version"]
+
+    log_text = up("--resume", "--trainer.steps=3")
+    assert "trainer_resumed" in log_text and "ranks=2" in log_text
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert rows[-1]["policy_version"] == version + 1  # every e2e step is a real optimizer step (KL term)
+
+
 def test_one_rank_reference_moves(one_rank: tuple[dict, dict]) -> None:
     """The reference the DeepSpeed tier compares with (cheap: runs in make test)."""
     ref, _ = one_rank

@@ -1,0 +1,129 @@
+"""Trainer seconds per RL step at 1 and 2 data-parallel ranks, one thread each, the same batch, one run.
+
+    DS_BUILD_OPS=0 .venv/bin/python bench/bench_trainer_ranks.py [--model smollm2] [--groups 2] [--ranks 1,2]
+
+Needs DeepSpeed (``make venv-deepspeed``). The batch is ``--groups`` x ``--group-size`` real db episodes
+(``bench/bench_trainer.py``'s, token for token as the rollout renders them). Each configuration runs in
+its own processes, one after the other: the plain torch trainer (one process), then the DeepSpeed
+backend under torchrun at each ``--ranks`` (gloo on the CPU, NCCL where there are GPUs), every rank with
+one torch thread. Each times ``--repeats`` steps (``Trainer._optimise``: plan, scatter, forward, backward,
+all-reduce, optimizer step) after one warm-up step, on rank 0; the medians are printed side by side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from bench.bench_trainer import db_trajectories  # noqa: E402
+from services.trainer.trainer import Trainer  # noqa: E402
+from shared.config import JetRLConfig, ModelConfig, TrainerConfig  # noqa: E402
+from shared.model import load_model, load_tokenizer, quiet_transformers, resolve_model  # noqa: E402
+from shared.subjects import Subjects  # noqa: E402
+
+
+def worker(args: argparse.Namespace) -> None:
+    """One configuration (every rank runs this): time the steps, rank 0 writes them to ``--out``."""
+    quiet_transformers()
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    cfg = JetRLConfig()
+    cfg.model = ModelConfig(name=args.model)
+    cfg.trainer = TrainerConfig(lr=1e-6, micro_batch_tokens=args.micro_batch_tokens, backend=args.backend,
+                                zero_stage=args.zero_stage, torch_threads=1)
+    path = resolve_model(cfg.model)
+    trajs = db_trajectories(load_tokenizer(path), args.groups, args.group_size)
+    model = load_model(path)
+    run_dir = Path(args.out).parent
+    cls: type[Trainer] = Trainer
+    if args.backend == "deepspeed":
+        from services.trainer.deepspeed_backend import start_ranks
+
+        cls = start_ranks(cfg, model, run_dir)  # ranks > 0 follow rank 0 in here and exit
+    trainer = cls(None, None, Subjects("bench"), cfg.trainer, model, run_dir, "bench")  # type: ignore[arg-type]
+    times, cpu, stats = [], [], {}
+    for _ in range(1 + args.repeats):
+        wall, used = time.perf_counter(), time.process_time()
+        stats = trainer._optimise(trajs)
+        times.append(time.perf_counter() - wall)
+        cpu.append(time.process_time() - used)
+    if args.backend == "deepspeed":
+        trainer.stop_followers()  # type: ignore[attr-defined]
+    Path(args.out).write_text(json.dumps({
+        "step_s": times[1:], "rank0_cpu_s": cpu[1:], "tokens": sum(len(t.tokens) for t in trajs),
+        "trained": stats.get("train/tokens"), "rank_tokens_min": stats.get("train/rank_tokens_min"),
+        "rank_tokens_max": stats.get("train/rank_tokens_max"), "loss": stats.get("train/loss")}))
+
+
+def run(args: argparse.Namespace, backend: str, ranks: int, tmp: Path) -> dict[str, Any]:
+    out = tmp / f"{backend}-{ranks}" / "result.json"
+    out.parent.mkdir(parents=True)
+    own = [str(Path(__file__)), "--worker", "--backend", backend, "--out", str(out), "--model", args.model,
+           "--groups", str(args.groups), "--group-size", str(args.group_size), "--repeats", str(args.repeats),
+           "--micro-batch-tokens", str(args.micro_batch_tokens), "--zero-stage", str(args.zero_stage)]
+    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"] if backend == "deepspeed" else []
+    env = dict(os.environ, OMP_NUM_THREADS="1", DS_BUILD_OPS="0", PYTHONPATH=str(REPO))
+    started = time.perf_counter()
+    proc = subprocess.run([sys.executable, *launcher, *own], env=env, capture_output=True, text=True, cwd=REPO)
+    if proc.returncode != 0:
+        raise SystemExit(f"{backend} x{ranks} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+    result = json.loads(out.read_text())
+    result["process_s"] = time.perf_counter() - started
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--groups", type=int, default=2)
+    parser.add_argument("--group-size", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--ranks", default="1,2")
+    parser.add_argument("--zero-stage", type=int, default=2)
+    parser.add_argument("--micro-batch-tokens", type=int, default=2048)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--backend", default="deepspeed", help=argparse.SUPPRESS)
+    parser.add_argument("--out", default="", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    print(f"# {args.groups} groups x {args.group_size} db episodes, model {args.model}, ZeRO-{args.zero_stage}, "
+          f"1 thread per rank, medians of {args.repeats} steps after a warm-up; load average at start "
+          f"{os.getloadavg()[0]:.1f}", flush=True)
+    rows: list[tuple[str, dict[str, Any]]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        configs = [("torch", 1)] + [("deepspeed", int(n)) for n in args.ranks.split(",")]
+        for backend, ranks in configs:
+            result = run(args, backend, ranks, Path(tmp))
+            rows.append((f"{backend} x{ranks}", result))
+            print(f"{backend} x{ranks}: {statistics.median(result['step_s']):.2f} s/step "
+                  f"(steps {[round(s, 2) for s in result['step_s']]}, process {result['process_s']:.0f} s)", flush=True)
+    print(f"# load average at end {os.getloadavg()[0]:.1f}; {rows[0][1]['tokens']} tokens, "
+          f"{rows[0][1]['trained']:.0f} trained")
+    one = statistics.median(dict(rows)["deepspeed x1"]["step_s"]) if "deepspeed x1" in dict(rows) else None
+    print("\n| trainer | ranks x threads | s per step | rank 0 CPU s per step | tokens per rank (min-max) | vs deepspeed x1 |")
+    print("|---|---|---|---|---|---|")
+    for name, r in rows:
+        s = statistics.median(r["step_s"])
+        ranks = name.split("x")[1]
+        split = f"{r['rank_tokens_min']:.0f}-{r['rank_tokens_max']:.0f}" if r["rank_tokens_min"] is not None else "all"
+        print(f"| {name.split()[0]} | {ranks} x 1 | {s:.2f} | {statistics.median(r['rank0_cpu_s']):.2f} | {split} | "
+              f"{one / s:.2f}x |" if one else f"| {name} | {s:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
