@@ -93,7 +93,8 @@ def batch_for(batches: dict[str, list[Trajectory]], name: str, policy_version: i
     return lone
 
 
-def run_curve(backend: str, zero_stage: int, out: Path, stop_after: int = len(PLAN), checkpoint_every: int = 0) -> None:
+def run_curve(backend: str, zero_stage: int, out: Path, stop_after: int = len(PLAN), checkpoint_every: int = 0,
+              mode: str = "rl") -> None:
     """Train the PLAN's steps (resuming from ``out``'s directory if it holds a checkpoint); rank 0 writes
     per-step losses, grad norms, reported and applied learning rates, and the final weights."""
     quiet_transformers()
@@ -101,7 +102,7 @@ def run_curve(backend: str, zero_stage: int, out: Path, stop_after: int = len(PL
     torch.set_num_threads(1)
     cfg = JetRLConfig()
     cfg.model = ModelConfig()
-    cfg.trainer = trainer_config(backend=backend, zero_stage=zero_stage, checkpoint_every=checkpoint_every)
+    cfg.trainer = trainer_config(backend=backend, zero_stage=zero_stage, checkpoint_every=checkpoint_every, mode=mode)
     model = load_model(resolve_model(cfg.model))
     batches = fixed_batches(model)
     run_dir = out.parent
@@ -146,26 +147,38 @@ def _two_ranks(out: Path, zero_stage: int, *extra: str) -> tuple[dict, dict]:
     return json.loads(out.read_text()), torch.load(out.with_suffix(".pt"))
 
 
-@pytest.fixture(scope="module")
-def one_rank(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict]:
-    """The plain torch trainer, one process, the whole batch: what the ranks must add up to."""
-    out = tmp_path_factory.mktemp("torch") / "torch.json"
-    run_curve("torch", 0, out)
-    return json.loads(out.read_text()), torch.load(out.with_suffix(".pt"))
+class Runs(dict):
+    """Runs made on first use, by key (several tests compare with the same run)."""
+
+    def __init__(self, make: object) -> None:
+        super().__init__()
+        self.make = make
+
+    def __missing__(self, key: object) -> tuple[dict, dict]:
+        self[key] = self.make(key)  # type: ignore[operator]
+        return self[key]
 
 
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[int, tuple[dict, dict]]:
-    """Two-rank runs by ZeRO stage, made on first use (the resume test compares with them)."""
-    runs: dict[int, tuple[dict, dict]] = {}
+def one_rank(tmp_path_factory: pytest.TempPathFactory) -> Runs:
+    """The plain torch trainer, one process, the whole batch, by mode (rl | sft): what the ranks must add up to."""
+    def make(mode: str) -> tuple[dict, dict]:
+        out = tmp_path_factory.mktemp(f"torch-{mode}") / "torch.json"
+        run_curve("torch", 0, out, mode=mode)
+        return json.loads(out.read_text()), torch.load(out.with_suffix(".pt"))
 
-    class Runs(dict):
-        def __missing__(self, stage: int) -> tuple[dict, dict]:
-            pytest.importorskip("deepspeed", reason="deepspeed not installed: make test-deepspeed installs it")
-            runs[stage] = self[stage] = _two_ranks(tmp_path_factory.mktemp(f"zero{stage}") / "run.json", stage)
-            return runs[stage]
+    return Runs(make)
 
-    return Runs()
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Runs:
+    """Two-rank DeepSpeed runs by (mode, ZeRO stage)."""
+    def make(key: tuple[str, int]) -> tuple[dict, dict]:
+        mode, stage = key
+        pytest.importorskip("deepspeed", reason="deepspeed not installed: make test-deepspeed installs it")
+        return _two_ranks(tmp_path_factory.mktemp(f"{mode}-zero{stage}") / "run.json", stage, "--mode", mode)
+
+    return Runs(make)
 
 
 def _worst(a: dict, b: dict) -> float:
@@ -174,10 +187,10 @@ def _worst(a: dict, b: dict) -> float:
 
 
 @DEEPSPEED
-@pytest.mark.parametrize("zero_stage", [1, 2, 3])
-def test_two_ranks_make_the_one_rank_update(one_rank: tuple[dict, dict], two_ranks: dict, zero_stage: int) -> None:
-    ref, ref_state = one_rank
-    got, state = two_ranks[zero_stage]
+@pytest.mark.parametrize(("mode", "zero_stage"), [("rl", 1), ("rl", 2), ("rl", 3), ("sft", 2)])
+def test_two_ranks_make_the_one_rank_update(one_rank: Runs, two_ranks: Runs, mode: str, zero_stage: int) -> None:
+    ref, ref_state = one_rank[mode]
+    got, state = two_ranks[mode, zero_stage]
     ref_rows, rows = ref["rows"], got["rows"]
     # The split was uneven, and in the lone step one rank had no trained token at all.
     assert rows[0]["rank_tokens_min"] < rows[0]["rank_tokens_max"], rows[0]
@@ -197,8 +210,8 @@ def test_two_ranks_make_the_one_rank_update(one_rank: tuple[dict, dict], two_ran
 
 @DEEPSPEED
 @pytest.mark.parametrize("zero_stage", [2, 3])
-def test_two_ranks_resume_with_their_optimizer_state(tmp_path: Path, two_ranks: dict, zero_stage: int) -> None:
-    uninterrupted, full_state = two_ranks[zero_stage]
+def test_two_ranks_resume_with_their_optimizer_state(tmp_path: Path, two_ranks: Runs, zero_stage: int) -> None:
+    uninterrupted, full_state = two_ranks["rl", zero_stage]
     out = tmp_path / "run.json"
     first, _ = _two_ranks(out, zero_stage, "--stop-after", "2", "--checkpoint-every", "1")
     assert not first["resumed"] and len(first["rows"]) == 2
@@ -251,9 +264,9 @@ def test_jetrl_up_with_two_trainer_ranks_trains_and_resumes(config: JetRLConfig,
     assert rows[-1]["policy_version"] == version + 1  # every e2e step is a real optimizer step (KL term)
 
 
-def test_one_rank_reference_moves(one_rank: tuple[dict, dict]) -> None:
+def test_one_rank_reference_moves(one_rank: Runs) -> None:
     """The reference the DeepSpeed tier compares with (cheap: runs in make test)."""
-    ref, _ = one_rank
+    ref, _ = one_rank["rl"]
     losses = [r["loss"] for r in ref["rows"]]
     assert len(losses) == len(PLAN) and all(r["grad_norm"] > 0 for r in ref["rows"])
     assert abs(losses[-1] - losses[0]) > 1e-3, losses
@@ -312,5 +325,6 @@ if __name__ == "__main__":
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--stop-after", type=int, default=len(PLAN))
     parser.add_argument("--checkpoint-every", type=int, default=0)
+    parser.add_argument("--mode", default="rl")
     args = parser.parse_args()
-    run_curve(args.backend, args.zero_stage, args.out, args.stop_after, args.checkpoint_every)
+    run_curve(args.backend, args.zero_stage, args.out, args.stop_after, args.checkpoint_every, args.mode)

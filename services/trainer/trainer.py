@@ -381,9 +381,13 @@ class Trainer:
         usable = [t for t in trajs if t.status != EpisodeStatus.ENV_ERROR and sum(t.loss_mask) > 0]
         stats = self._batch_stats(trajs)
         shares = [RankShare("idle", self.step, self.policy_version) for _ in range(self.world)]
-        if self.cfg.mode == "sft":  # every rank runs the whole (small) demo batch: not split yet
+        if self.cfg.mode == "sft":  # demonstrations, dealt out by token count (one optimizer step)
             demos = [t for t in usable if t.reward >= self.cfg.sft_min_reward]
-            return [RankShare("sft", self.step, self.policy_version, trajs=demos) for _ in range(self.world)], stats
+            if not demos:
+                return shares, stats | {"train/sft_trajectories": 0.0}
+            dealt = split_by_tokens([len(t.tokens) for t in demos], self.world)
+            shares = [RankShare("sft", self.step, self.policy_version, trajs=[demos[i] for i in picks]) for picks in dealt]
+            return shares, stats | _balance(shares)
         # Oracle turns (version -1) come from no policy: they have no behaviour logprobs to correct with.
         usable = [t for t in usable if all(turn.policy_version >= 0 for turn in t.turns)]
         lag = [self.policy_version - t.min_policy_version for t in usable]
@@ -422,10 +426,7 @@ class Trainer:
                     share.seq_advantages.append(seq_adv[kept[i]])
                     share.weights.append(weights[kept[i]])
                     share.minibatch.append(m)
-        if self.world > 1:  # how even the split is (tokens each rank runs)
-            loads = [sum(len(t.tokens) for t in share.trajs) for share in shares]
-            stats.update({"train/rank_tokens_min": float(min(loads)), "train/rank_tokens_max": float(max(loads))})
-        return shares, stats
+        return shares, stats | _balance(shares)
 
     def train_share(self, share: RankShare) -> dict[str, Any]:
         """Every rank's part of a step: its share, with the whole batch's statistics (all-reduced)."""
@@ -565,33 +566,40 @@ class Trainer:
     def _sft(self, demos: list[Trajectory]) -> dict[str, float]:
         """Cross-entropy on the assistant tokens of successful trajectories (oracle warm start); with
         ``sft_context_weight`` > 0 also on the context after the system message (task, tool results).
-        Called by ``_optimise``, which has set this step's learning rate."""
-        if not demos:
-            return {"train/sft_trajectories": 0.0}
+        ``demos`` is this rank's share (maybe none); the normaliser is the whole batch's token count.
+        Called by ``train_share``, which has set this step's learning rate."""
         lm = PackedLM(self.model)
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         own = [[int(m) for m in t.loss_mask] for t in demos]
         context_weight = self.cfg.sft_context_weight
         scored = [_or(o, _context_mask(t)) for o, t in zip(own, demos, strict=True)] if context_weight > 0 else own
-        num_tokens = sum(sum(o[1:]) for o in own)
-        total, context_total, context_tokens = 0.0, 0.0, 0
-        for mb in self._micro_batches(demos, scored):
+        num_tokens = int(self.all_reduce(torch.tensor([float(sum(sum(o[1:]) for o in own))], dtype=torch.float64)))
+        chunks = self._micro_batches(demos, scored) if demos else []
+        passes = int(self.all_reduce(torch.tensor([float(len(chunks))], dtype=torch.float64), op="max"))
+        totals = torch.zeros(4, dtype=torch.float64)  # loss, context loss sum, context tokens, demos: over ranks
+        for mb in chunks:
             logp = packed_logprobs(lm, mb, torch.ones(mb.targets.numel()))
             is_own = torch.cat([torch.tensor(own[i], dtype=torch.bool)[_positions(scored[i])] for i in mb.order])
             # normalised by the assistant tokens alone: the context term adds to, never dilutes, the SFT loss
             loss = -(logp[is_own].sum() + context_weight * logp[~is_own].sum()) / num_tokens
             if not math.isfinite(float(loss.detach())):
                 self._skip_nonfinite(f"loss {float(loss.detach())}")
-                continue
-            self.backward(loss)
-            total += float(-logp[is_own].detach().sum()) / num_tokens
-            context_total += float(-logp[~is_own].detach().sum())
-            context_tokens += int((~is_own).sum())
+                if self.world == 1:
+                    continue
+            self.backward(loss * self.world if self.world > 1 else loss)  # ranks' gradients are averaged
+            totals += torch.tensor([float(-logp[is_own].detach().sum()) / num_tokens,
+                                    float(-logp[~is_own].detach().sum()), float((~is_own).sum()), 0.0],
+                                   dtype=torch.float64)
+        for _ in range(passes - len(chunks)):  # a rank with fewer micro-batches keeps ZeRO's collectives in step
+            pad = _padding_pass()
+            self.backward(packed_logprobs(lm, pad.packed, pad.temperature).sum() * 0.0)
+        totals[3] = float(len(demos))
         grad_norm = self.optimizer_step()
         self.model.eval()
+        total, context_total, context_tokens, num_demos = self.all_reduce(totals).tolist()
         stats = {"train/loss": total, "train/grad_norm": grad_norm, "train/tokens": float(num_tokens),
-                 "train/sft_trajectories": float(len(demos)), "train/lr": self.current_lr()}
+                 "train/sft_trajectories": num_demos, "train/lr": self.current_lr()}
         if context_tokens:
             stats["train/context_loss"] = context_total / context_tokens
         return stats
@@ -706,6 +714,14 @@ def _positions(marks: list[int]) -> list[int]:
 
 def _trained_positions(traj: Trajectory) -> list[int]:
     return _positions(traj.loss_mask)
+
+
+def _balance(shares: list[RankShare]) -> dict[str, float]:
+    """How even a split is: the fewest and most tokens a rank runs (several ranks only)."""
+    if len(shares) < 2:
+        return {}
+    loads = [sum(len(t.tokens) for t in share.trajs) for share in shares]
+    return {"train/rank_tokens_min": float(min(loads)), "train/rank_tokens_max": float(max(loads))}
 
 
 def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
