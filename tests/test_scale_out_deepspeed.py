@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run as a script by torchrun, too
 
 from services.trainer import rl  # noqa: E402
-from services.trainer.data_parallel import split_by_tokens  # noqa: E402
+from services.trainer.data_parallel import split_contiguous  # noqa: E402
 from services.trainer.packing import pack, packed_logprobs  # noqa: E402
 from services.trainer.trainer import Trainer, _trained_positions  # noqa: E402
 from shared.config import JetRLConfig, ModelConfig, TrainerConfig  # noqa: E402
@@ -288,7 +288,9 @@ def test_ranks_shares_add_up_to_the_whole_batch(tmp_path: Path) -> None:
     shares, stats = split.plan_step(batch)
     assert sorted(t.episode_id for s in shares for t in s.trajs) == sorted(t.episode_id for t in single.trajs)
     loads = [sum(len(t.tokens) for t in s.trajs) for s in shares]
-    assert stats["train/rank_tokens_min"] == min(loads) and max(loads) - min(loads) <= max(len(t.tokens) for t in batch)
+    assert stats["train/rank_tokens_min"] == min(loads)
+    # whole trajectories, cut per minibatch: each cut within one trajectory of its even share
+    assert max(loads) - min(loads) <= 2 * cfg.minibatches * max(len(t.tokens) for t in batch)
 
     def token_view(share):  # type: ignore[no-untyped-def]
         counts = [len(_trained_positions(t)) for t in share.trajs]
@@ -309,13 +311,16 @@ def test_ranks_shares_add_up_to_the_whole_batch(tmp_path: Path) -> None:
             assert torch.allclose(by_episode[t.episode_id], x, atol=1e-6), (mode, t.episode_id)
 
 
-def test_split_by_tokens_deals_whole_items_evenly() -> None:
-    assert split_by_tokens([100, 10, 10, 10, 70], 2) == [[0], [1, 2, 3, 4]]  # 100 against 100
-    assert split_by_tokens([5, 5, 5], 2) == [[0, 2], [1]]
-    assert split_by_tokens([40], 2) == [[0], []]  # fewer trajectories than ranks: a rank gets none
-    assert split_by_tokens([], 3) == [[], [], []]
+def test_split_contiguous_keeps_groups_together_and_balances_packed_rows() -> None:
+    # two groups of four in prefix order: each opening (600 rows) is paid by its first episode, the others
+    # add only their own 50: one group per rank, so each opening runs once
+    assert split_contiguous([600, 50, 50, 50, 600, 50, 50, 50], 2) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert split_contiguous([100, 10, 10, 10, 70], 2) == [[0], [1, 2, 3, 4]]  # 100 against 100
+    assert split_contiguous([5, 5, 5], 2) == [[0, 1], [2]]
+    assert split_contiguous([40], 2) == [[0], []]  # fewer trajectories than ranks: a rank gets none
+    assert split_contiguous([], 3) == [[], [], []]
     with pytest.raises(ValueError):
-        split_by_tokens([1], 0)
+        split_contiguous([1], 0)
 
 
 if __name__ == "__main__":

@@ -5,8 +5,9 @@ split, and everything that is a statistic of the batch is a sum that the ranks a
 
 * rank 0 keeps what needs whole groups: the staleness filter and the GRPO group advantages (one number
   per trajectory), and the minibatch each trajectory belongs to (from the micro-batch plan of the whole
-  batch, as on one rank), then deals each minibatch's trajectories out by token count (``split_by_tokens``);
-  a group's trajectories may land on different ranks, a trajectory is never cut;
+  batch, as on one rank), then cuts each minibatch's trajectories, in prefix order, into one run per rank
+  of about equal packed tokens (``split_contiguous``): a trajectory is never cut, and a group (which shares
+  its opening) stays on one rank unless a cut falls inside it;
 * every rank turns its share into token advantages and normalises them per task with the whole batch's
   sums (``rl.task_norm_sums``, all-reduced), and divides its loss by the whole minibatch's trained-token
   count (all-reduced), so the gradients the ranks add up are the single-rank gradient;
@@ -37,16 +38,20 @@ class RankShare:
     checkpoint: str = ""  # ZeRO shards go here after the step (every rank writes its own), or no checkpoint
 
 
-def split_by_tokens(costs: list[int], world: int) -> list[list[int]]:
-    """Indices of ``costs`` (tokens per trajectory) dealt to ``world`` ranks so that their token totals are
-    as even as whole items allow: the biggest first, each to the rank with the fewest tokens so far (the
-    lowest rank on a tie). Each rank's indices come back in ascending order."""
+def split_contiguous(costs: list[int], world: int) -> list[list[int]]:
+    """Positions ``0..len(costs)-1`` of a sequence cut into ``world`` contiguous runs of about equal cost
+    (an item goes to the next rank when more than half of it would pass this rank's even share). Given
+    trajectories in prefix order with the packed rows each adds (``packing.prefix_order``), a group's
+    episodes, which share their opening, stay together unless a cut falls inside the group, so the
+    opening runs once on one rank rather than once on every rank. A rank may get nothing."""
     if world < 1:
         raise ValueError(f"world size must be >= 1, got {world}")
-    loads = [0] * world
+    total = sum(costs)
     shares: list[list[int]] = [[] for _ in range(world)]
-    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
-        rank = min(range(world), key=lambda r: (loads[r], r))
-        shares[rank].append(i)
-        loads[rank] += costs[i]
-    return [sorted(s) for s in shares]
+    rank, done = 0, 0.0
+    for pos, cost in enumerate(costs):
+        while rank < world - 1 and done + cost / 2 > total * (rank + 1) / world:
+            rank += 1
+        shares[rank].append(pos)
+        done += cost
+    return shares

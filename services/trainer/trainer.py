@@ -30,8 +30,15 @@ from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, ObjectMeta, ObjectMetaOptions
 
 from services.trainer import rl
-from services.trainer.data_parallel import RankShare, split_by_tokens
-from services.trainer.packing import PackedBatch, pack, packed_logprobs, plan_micro_batches, shareable_length
+from services.trainer.data_parallel import RankShare, split_contiguous
+from services.trainer.packing import (
+    PackedBatch,
+    pack,
+    packed_logprobs,
+    plan_micro_batches,
+    prefix_order,
+    shareable_length,
+)
 from shared.bus import dead_letter, decode_or_dead_letter, publish_metrics, retrying
 from shared.config import TrainerConfig
 from shared.lm import PackedLM
@@ -385,8 +392,10 @@ class Trainer:
             demos = [t for t in usable if t.reward >= self.cfg.sft_min_reward]
             if not demos:
                 return shares, stats | {"train/sft_trajectories": 0.0}
-            dealt = split_by_tokens([len(t.tokens) for t in demos], self.world)
-            shares = [RankShare("sft", self.step, self.policy_version, trajs=[demos[i] for i in picks]) for picks in dealt]
+            ordered = self._prefix_order(demos)
+            dealt = split_contiguous([rows for _, rows in ordered], self.world)
+            shares = [RankShare("sft", self.step, self.policy_version, trajs=[demos[ordered[p][0]] for p in picks])
+                      for picks in dealt]
             return shares, stats | _balance(shares)
         # Oracle turns (version -1) come from no policy: they have no behaviour logprobs to correct with.
         usable = [t for t in usable if all(turn.policy_version >= 0 for turn in t.turns)]
@@ -418,10 +427,11 @@ class Trainer:
                   for _ in range(self.world)]
         for m in range(num_minibatches):
             members = [i for i in range(len(trajs)) if minibatch_of[i] == m]
-            dealt = split_by_tokens([len(trajs[i].tokens) for i in members], self.world)
+            ordered = self._prefix_order([trajs[i] for i in members])
+            dealt = split_contiguous([rows for _, rows in ordered], self.world)
             for share, picks in zip(shares, dealt, strict=True):
-                for j in picks:
-                    i = members[j]
+                for p in picks:
+                    i = members[ordered[p][0]]
                     share.trajs.append(trajs[i])
                     share.seq_advantages.append(seq_adv[kept[i]])
                     share.weights.append(weights[kept[i]])
@@ -495,6 +505,12 @@ class Trainer:
             minibatches.append(list(range(start, len(micro))))
         return TrainBatch(trajs=trajs, micro_batches=micro, minibatches=minibatches,
                           minibatch_tokens=[int(n) for n in tokens.tolist()], num_tokens=int(tokens.sum()))
+
+    def _prefix_order(self, trajs: list[Trajectory]) -> list[tuple[int, int]]:
+        """``trajs`` (indices) in prefix order, each with the packed rows it adds (all of it without sharing)."""
+        if not self.cfg.shared_prefix:
+            return [(i, len(t.tokens)) for i, t in enumerate(trajs)]
+        return prefix_order([t.tokens for t in trajs], [shareable_length(t.tokens, t.loss_mask) for t in trajs])
 
     def _plan(self, trajs: list[Trajectory], context: list[list[int]] | None = None) -> list[list[int]]:
         """Micro-batches (lists of indices into ``trajs``) of at most ``micro_batch_tokens`` packed rows,
