@@ -60,10 +60,15 @@ def worker(args: argparse.Namespace) -> None:
         stats = trainer._optimise(trajs)
         times.append(time.perf_counter() - wall)
         cpu.append(time.process_time() - used)
+    ranks_cpu = [cpu[1:]]
     if args.backend == "deepspeed":
+        import torch.distributed as dist
+
         trainer.stop_followers()  # type: ignore[attr-defined]
+        ranks_cpu = [None] * dist.get_world_size()  # every rank's own CPU seconds per step
+        dist.all_gather_object(ranks_cpu, cpu[1:])
     Path(args.out).write_text(json.dumps({
-        "step_s": times[1:], "rank0_cpu_s": cpu[1:], "tokens": sum(len(t.tokens) for t in trajs),
+        "step_s": times[1:], "rank0_cpu_s": cpu[1:], "all_ranks_cpu_s": [sum(c) for c in zip(*ranks_cpu, strict=True)], "tokens": sum(len(t.tokens) for t in trajs),
         "trained": stats.get("train/tokens"), "rank_tokens_min": stats.get("train/rank_tokens_min"),
         "rank_tokens_max": stats.get("train/rank_tokens_max"), "loss": stats.get("train/loss")}))
 
@@ -115,14 +120,15 @@ def main() -> None:
     print(f"# load average at end {os.getloadavg()[0]:.1f}; {rows[0][1]['tokens']} tokens, "
           f"{rows[0][1]['trained']:.0f} trained")
     one = statistics.median(dict(rows)["deepspeed x1"]["step_s"]) if "deepspeed x1" in dict(rows) else None
-    print("\n| trainer | ranks x threads | s per step | rank 0 CPU s per step | tokens per rank (min-max) | vs deepspeed x1 |")
-    print("|---|---|---|---|---|---|")
+    print("\n| trainer | ranks x threads | s per step | rank 0 CPU s per step | all ranks' CPU s per step "
+          "| tokens per rank (min-max) | speed-up vs deepspeed x1 |")
+    print("|---|---|---|---|---|---|---|")
     for name, r in rows:
         s = statistics.median(r["step_s"])
         ranks = name.split("x")[1]
         split = f"{r['rank_tokens_min']:.0f}-{r['rank_tokens_max']:.0f}" if r["rank_tokens_min"] is not None else "all"
-        print(f"| {name.split()[0]} | {ranks} x 1 | {s:.2f} | {statistics.median(r['rank0_cpu_s']):.2f} | {split} | "
-              f"{one / s:.2f}x |" if one else f"| {name} | {s:.2f} |")
+        print(f"| {name.split()[0]} | {ranks} x 1 | {s:.2f} | {statistics.median(r['rank0_cpu_s']):.2f} | "
+              f"{statistics.median(r['all_ranks_cpu_s']):.2f} | {split} | {one / s:.2f}x |" if one else f"| {name} | {s:.2f} |")
 
 
 if __name__ == "__main__":
