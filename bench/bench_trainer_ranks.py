@@ -1,6 +1,7 @@
 """Trainer seconds per RL step at 1 and 2 data-parallel ranks, one thread each, the same batch, one run.
 
     DS_BUILD_OPS=0 .venv/bin/python bench/bench_trainer_ranks.py [--model smollm2] [--groups 2] [--ranks 1,2]
+        [--zero-stage 1,2]
 
 Needs DeepSpeed (``make venv-deepspeed``). The batch is ``--groups`` x ``--group-size`` real db episodes
 (``bench/bench_trainer.py``'s, token for token as the rollout renders them). Each configuration runs in
@@ -20,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -60,31 +62,38 @@ def worker(args: argparse.Namespace) -> None:
         stats = trainer._optimise(trajs)
         times.append(time.perf_counter() - wall)
         cpu.append(time.process_time() - used)
-    ranks_cpu = [cpu[1:]]
     if args.backend == "deepspeed":
-        import torch.distributed as dist
-
         trainer.stop_followers()  # type: ignore[attr-defined]
-        ranks_cpu = [None] * dist.get_world_size()  # every rank's own CPU seconds per step
-        dist.all_gather_object(ranks_cpu, cpu[1:])
     Path(args.out).write_text(json.dumps({
-        "step_s": times[1:], "rank0_cpu_s": cpu[1:], "all_ranks_cpu_s": [sum(c) for c in zip(*ranks_cpu, strict=True)], "tokens": sum(len(t.tokens) for t in trajs),
+        "step_s": times[1:], "rank0_cpu_s": cpu[1:], "tokens": sum(len(t.tokens) for t in trajs),
         "trained": stats.get("train/tokens"), "rank_tokens_min": stats.get("train/rank_tokens_min"),
         "rank_tokens_max": stats.get("train/rank_tokens_max"), "loss": stats.get("train/loss")}))
 
 
-def run(args: argparse.Namespace, backend: str, ranks: int, tmp: Path) -> dict[str, Any]:
-    out = tmp / f"{backend}-{ranks}" / "result.json"
+@dataclass
+class Config:
+    backend: str
+    zero_stage: int
+    ranks: int
+
+    @property
+    def name(self) -> str:
+        return "torch" if self.backend == "torch" else f"deepspeed ZeRO-{self.zero_stage}"
+
+
+def run(args: argparse.Namespace, config: Config, tmp: Path) -> dict[str, Any]:
+    out = tmp / f"{config.backend}-{config.zero_stage}-{config.ranks}" / "result.json"
     out.parent.mkdir(parents=True)
-    own = [str(Path(__file__)), "--worker", "--backend", backend, "--out", str(out), "--model", args.model,
+    own = [str(Path(__file__)), "--worker", "--backend", config.backend, "--out", str(out), "--model", args.model,
            "--groups", str(args.groups), "--group-size", str(args.group_size), "--repeats", str(args.repeats),
-           "--micro-batch-tokens", str(args.micro_batch_tokens), "--zero-stage", str(args.zero_stage)]
-    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"] if backend == "deepspeed" else []
+           "--micro-batch-tokens", str(args.micro_batch_tokens), "--zero-stage", str(config.zero_stage)]
+    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={config.ranks}"] \
+        if config.backend == "deepspeed" else []
     env = dict(os.environ, OMP_NUM_THREADS="1", DS_BUILD_OPS="0", PYTHONPATH=str(REPO))
     started = time.perf_counter()
     proc = subprocess.run([sys.executable, *launcher, *own], env=env, capture_output=True, text=True, cwd=REPO)
     if proc.returncode != 0:
-        raise SystemExit(f"{backend} x{ranks} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+        raise SystemExit(f"{config} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
     result = json.loads(out.read_text())
     result["process_s"] = time.perf_counter() - started
     return result
@@ -97,38 +106,38 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--ranks", default="1,2")
-    parser.add_argument("--zero-stage", type=int, default=2)
+    parser.add_argument("--zero-stage", default="2", help="one stage, or several: 1,2")
     parser.add_argument("--micro-batch-tokens", type=int, default=2048)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--backend", default="deepspeed", help=argparse.SUPPRESS)
     parser.add_argument("--out", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
+        args.zero_stage = int(args.zero_stage)
         worker(args)
         return
-    print(f"# {args.groups} groups x {args.group_size} db episodes, model {args.model}, ZeRO-{args.zero_stage}, "
-          f"1 thread per rank, medians of {args.repeats} steps after a warm-up; load average at start "
-          f"{os.getloadavg()[0]:.1f}", flush=True)
-    rows: list[tuple[str, dict[str, Any]]] = []
+    print(f"# {args.groups} groups x {args.group_size} db episodes, model {args.model}, 1 thread per rank, medians "
+          f"of {args.repeats} steps after a warm-up; load average at start {os.getloadavg()[0]:.1f}", flush=True)
+    configs = [Config("torch", 0, 1)] + [Config("deepspeed", int(z), int(n)) for z in args.zero_stage.split(",")
+                                         for n in args.ranks.split(",")]
+    rows: list[tuple[Config, dict[str, Any]]] = []
     with tempfile.TemporaryDirectory() as tmp:
-        configs = [("torch", 1)] + [("deepspeed", int(n)) for n in args.ranks.split(",")]
-        for backend, ranks in configs:
-            result = run(args, backend, ranks, Path(tmp))
-            rows.append((f"{backend} x{ranks}", result))
-            print(f"{backend} x{ranks}: {statistics.median(result['step_s']):.2f} s/step "
-                  f"(steps {[round(s, 2) for s in result['step_s']]}, process {result['process_s']:.0f} s)", flush=True)
+        for config in configs:
+            result = run(args, config, Path(tmp))
+            rows.append((config, result))
+            print(f"{config.name} x{config.ranks}: {statistics.median(result['step_s']):.2f} s/step (steps "
+                  f"{[round(s, 2) for s in result['step_s']]}, process {result['process_s']:.0f} s)", flush=True)
     print(f"# load average at end {os.getloadavg()[0]:.1f}; {rows[0][1]['tokens']} tokens, "
           f"{rows[0][1]['trained']:.0f} trained")
-    one = statistics.median(dict(rows)["deepspeed x1"]["step_s"]) if "deepspeed x1" in dict(rows) else None
-    print("\n| trainer | ranks x threads | s per step | rank 0 CPU s per step | all ranks' CPU s per step "
-          "| tokens per rank (min-max) | speed-up vs deepspeed x1 |")
-    print("|---|---|---|---|---|---|---|")
-    for name, r in rows:
+    single = {c.name: statistics.median(r["step_s"]) for c, r in rows if c.ranks == 1}
+    print("\n| trainer | ranks x threads | s per step | rank 0 CPU s per step | tokens per rank (min-max) "
+          "| speed-up vs 1 rank of the same |")
+    print("|---|---|---|---|---|---|")
+    for config, r in rows:
         s = statistics.median(r["step_s"])
-        ranks = name.split("x")[1]
         split = f"{r['rank_tokens_min']:.0f}-{r['rank_tokens_max']:.0f}" if r["rank_tokens_min"] is not None else "all"
-        print(f"| {name.split()[0]} | {ranks} x 1 | {s:.2f} | {statistics.median(r['rank0_cpu_s']):.2f} | "
-              f"{statistics.median(r['all_ranks_cpu_s']):.2f} | {split} | {one / s:.2f}x |" if one else f"| {name} | {s:.2f} |")
+        print(f"| {config.name} | {config.ranks} x 1 | {s:.2f} | {statistics.median(r['rank0_cpu_s']):.2f} | {split} | "
+              f"{single[config.name] / s:.2f}x |")
 
 
 if __name__ == "__main__":
