@@ -10,7 +10,8 @@ Rank 0 is the trainer service: NATS intake, dynamic batches, weight broadcast, c
 The other ranks never touch NATS; they follow rank 0 over torch.distributed, one step at a time:
 
 1. rank 0 plans the step (``Trainer.plan_step``: group advantages, minibatches) and scatters each rank
-   its share of the batch, whole trajectories balanced by token count (services/trainer/data_parallel.py);
+   its share of the batch: whole trajectories, a contiguous run of the prefix order balanced by packed
+   tokens (services/trainer/data_parallel.py);
 2. every rank trains on its share (``Trainer.train_share``) under its DeepSpeed engine, with the task
    normalisation sums and each minibatch's token count all-reduced, so the ranks' averaged gradients
    are the gradient of one rank on the whole batch; ``backward`` and ``optimizer_step`` are DeepSpeed's;

@@ -384,11 +384,12 @@ class Trainer:
     def plan_step(self, trajs: list[Trajectory]) -> tuple[list[RankShare], dict[str, Any]]:
         """Rank 0's part of a step (services/trainer/data_parallel.py): what needs whole groups (the
         staleness filter, group advantages, the minibatch of each trajectory), then each minibatch's
-        trajectories dealt out to the ranks by token count. Also the batch's own statistics."""
+        trajectories cut, in prefix order, into one run per rank of about equal packed rows. Also the
+        batch's own statistics."""
         usable = [t for t in trajs if t.status != EpisodeStatus.ENV_ERROR and sum(t.loss_mask) > 0]
         stats = self._batch_stats(trajs)
         shares = [RankShare("idle", self.step, self.policy_version) for _ in range(self.world)]
-        if self.cfg.mode == "sft":  # demonstrations, dealt out by token count (one optimizer step)
+        if self.cfg.mode == "sft":  # demonstrations, split like an RL minibatch (one optimizer step)
             demos = [t for t in usable if t.reward >= self.cfg.sft_min_reward]
             if not demos:
                 return shares, stats | {"train/sft_trajectories": 0.0}
