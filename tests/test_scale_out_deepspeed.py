@@ -311,6 +311,25 @@ def test_ranks_shares_add_up_to_the_whole_batch(tmp_path: Path) -> None:
             assert torch.allclose(by_episode[t.episode_id], x, atol=1e-6), (mode, t.episode_id)
 
 
+def test_jetrl_up_trainer_ranks_command() -> None:
+    """What ``jetrl up --trainer-ranks N`` starts: the plain trainer for 1, torchrun with N DeepSpeed ranks
+    sharing the trainer's threads otherwise, a clear error without DeepSpeed or for N < 1."""
+    import importlib.util
+
+    from jetrl.cli import trainer_command
+
+    assert trainer_command(1, 2) == (["services.trainer"], [])
+    with pytest.raises(SystemExit, match="must be >= 1"):
+        trainer_command(0, 2)
+    if importlib.util.find_spec("deepspeed") is None:
+        with pytest.raises(SystemExit, match="make venv-deepspeed"):
+            trainer_command(2, 2)
+        return
+    module_args, overrides = trainer_command(4, 2)
+    assert module_args == ["torch.distributed.run", "--standalone", "--nproc_per_node=4", "-m", "services.trainer"]
+    assert overrides == ["--trainer.backend=deepspeed", "--trainer.torch_threads=1"]
+
+
 def test_split_contiguous_keeps_groups_together_and_balances_packed_rows() -> None:
     # two groups of four in prefix order: each opening (600 rows) is paid by its first episode, the others
     # add only their own 50: one group per rank, so each opening runs once
