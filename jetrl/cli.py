@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import ctypes
+import importlib.util
 import json
 import os
 import signal
@@ -338,8 +339,23 @@ def eval_overrides(args: argparse.Namespace) -> list[str]:
     return out
 
 
+def trainer_command(ranks: int, torch_threads: int) -> tuple[list[str], list[str]]:
+    """The trainer's module arguments and overrides: one process, or ``ranks`` data-parallel DeepSpeed
+    ranks under torchrun on this host (rank 0 is the service; the cores are shared among the ranks)."""
+    if ranks < 1:
+        raise SystemExit(f"--trainer-ranks must be >= 1, got {ranks}")
+    if ranks == 1:
+        return ["services.trainer"], []
+    if importlib.util.find_spec("deepspeed") is None:
+        raise SystemExit("--trainer-ranks > 1 runs the DeepSpeed backend, which is not installed: "
+                         "`make venv-deepspeed` (mk/vllm.mk) installs it without touching torch")
+    return (["torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", "-m", "services.trainer"],
+            ["--trainer.backend=deepspeed", f"--trainer.torch_threads={max(1, torch_threads // ranks)}"])
+
+
 def cmd_up(args: argparse.Namespace, overrides: list[str], mode: str = "up") -> int:
     cfg = load_config(args.config, MODE_DEFAULTS[mode] + eval_overrides(args) + overrides)
+    trainer_command(getattr(args, "trainer_ranks", 1), cfg.trainer.torch_threads)  # a bad --trainer-ranks: say so first
     run_dir = Path(cfg.run.dir).resolve()
     if not getattr(args, "resume", False):
         _keep_earlier_run(run_dir, mode)
@@ -383,7 +399,7 @@ def cmd_up(args: argparse.Namespace, overrides: list[str], mode: str = "up") -> 
         evaluating = mode in ("eval", "probe")
         main_role = "controller" if evaluating else "trainer"
         if not evaluating:
-            sup.spawn("trainer", ["services.trainer"])
+            sup.spawn("trainer", *trainer_command(getattr(args, "trainer_ranks", 1), cfg.trainer.torch_threads))
         sup.spawn("controller", ["services.controller"])
         print(f"jetrl {mode}: started {', '.join(sup.procs)}", flush=True)
 
@@ -607,6 +623,9 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--stale-engines", type=int, default=0,
                        help="extra pool engines that take new weights every rollout.stale_every versions "
                             "(used when rollout.cross_policy_prob > 0)")
+        p.add_argument("--trainer-ranks", type=int, default=1,
+                       help="data-parallel trainer ranks on this host (DeepSpeed ZeRO under torchrun; needs "
+                            "`make venv-deepspeed`); 1 = the plain one-process trainer")
         p.add_argument("--resume", action="store_true",
                        help="continue the run in run.dir (its checkpoints and streams); without it an earlier "
                             "run there is renamed and a fresh one starts")

@@ -27,10 +27,12 @@ test-vllm: venv-vllm
 bench-weights: venv
 	$(BIN)/python bench/bench_weights.py
 
-# DeepSpeed trainer backend (ZeRO 1/2/3), opt-in tier: installed into .venv without touching torch
-# (--no-deps, no build isolation, DS_BUILD_OPS=0: ops are JIT-built when used, and cached), then the
-# comm op every CPU rank needs is built once here (~1-5 min) so the tests do not pay for it.
-.PHONY: venv-deepspeed test-deepspeed
+# DeepSpeed trainer backend (ZeRO 1/2/3, data-parallel ranks: `jetrl up --trainer-ranks N`), opt-in tier:
+# installed into .venv without touching torch (--no-deps, no build isolation, DS_BUILD_OPS=0: ops are
+# JIT-built when used, and cached), then the comm op every CPU rank needs is built once here (~1-5 min) so
+# the tests do not pay for it. `make test-deepspeed`: two gloo ranks against one (ZeRO 1/2/3, SFT), resume
+# from ZeRO shards, `jetrl up --trainer-ranks 2` (~8 min here). `make bench-trainer-ranks`: 1 vs 2 ranks.
+.PHONY: venv-deepspeed test-deepspeed bench-trainer-ranks
 DEEPSPEED_VERSION ?= 0.19.8
 DS_STAMP := $(VENV)/.deepspeed-$(DEEPSPEED_VERSION)
 
@@ -45,3 +47,6 @@ venv-deepspeed: $(DS_STAMP)
 
 test-deepspeed: venv-deepspeed
 	JETRL_TEST_DEEPSPEED=1 DS_BUILD_OPS=0 $(BIN)/python -m pytest -q -ra tests/test_scale_out_deepspeed.py
+
+bench-trainer-ranks: venv-deepspeed
+	DS_BUILD_OPS=0 $(BIN)/python bench/bench_trainer_ranks.py

@@ -146,7 +146,8 @@ def _rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     """HF's Llama/Qwen2 RMSNorm as one fused op (the module spells it in seven small ones, which cost more
     than the arithmetic at decode batch sizes)."""
     eps = getattr(norm, "variance_epsilon", None)
-    if eps is None or x.dtype != torch.float32:
+    # ZeRO-3 (DeepSpeed trainer) partitions the weight and gathers it only in the module's own forward
+    if eps is None or x.dtype != torch.float32 or hasattr(norm.weight, "ds_id"):
         return norm(x)
     return F.rms_norm(x, (x.shape[-1],), norm.weight, eps)
 

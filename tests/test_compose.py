@@ -33,12 +33,16 @@ def test_compose_services_use_real_entry_points_and_config_keys() -> None:
     for name, svc in services.items():
         if name == "nats":
             continue
-        module = svc["command"][0]
+        command = svc["command"]
+        if command[0] == "torch.distributed.run":  # torchrun starts several ranks of the module after -m
+            assert "--nproc_per_node" in " ".join(command) and svc["environment"]["JETRL__TRAINER__BACKEND"] == "deepspeed"
+            command = command[command.index("-m") + 1:]
+        module = command[0]
         assert importlib.util.find_spec(module) is not None, f"{name}: no module {module}"
         assert (REPO / module.replace(".", "/") / "__main__.py").is_file()
         env = {k: str(v) for k, v in svc["environment"].items()}
         load_config(None, environ=env)  # raises on an unknown or mistyped JETRL__ key
-        config_file = svc["command"][svc["command"].index("--config") + 1]
+        config_file = command[command.index("--config") + 1]
         assert (REPO / config_file.removeprefix("/app/")).is_file()
         assert "ports" not in svc or name == "controller"  # rollout must scale: no fixed host ports
     # max_payload of the broker (its config file: nats-server has no such flag) must admit the codec's largest

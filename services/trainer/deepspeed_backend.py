@@ -1,7 +1,7 @@
-"""DeepSpeed trainer backend (ZeRO 1/2/3): the same ``Trainer``, run by several ranks.
+"""DeepSpeed trainer backend (ZeRO 1/2/3): the same ``Trainer``, data-parallel over several ranks.
 
 Launch it with either launcher; every rank runs the same entry point (without one, as under
-``jetrl up``, it is a single rank)::
+``jetrl up``, it is a single rank; ``jetrl up --trainer-ranks N`` starts it under torchrun)::
 
     torchrun --nproc_per_node N -m services.trainer --trainer.backend=deepspeed [--trainer.zero_stage=3]
     deepspeed --num_gpus N --module services.trainer --trainer.backend=deepspeed
@@ -9,23 +9,30 @@ Launch it with either launcher; every rank runs the same entry point (without on
 Rank 0 is the trainer service: NATS intake, dynamic batches, weight broadcast, checkpoints, metrics.
 The other ranks never touch NATS; they follow rank 0 over torch.distributed, one step at a time:
 
-1. rank 0 broadcasts the step's trajectories (and its step counters, which the staleness bound reads);
-2. every rank runs ``Trainer._optimise`` on them under its DeepSpeed engine: the RL math is the plain
-   trainer's, only ``backward`` and ``optimizer_step`` are DeepSpeed's (ZeRO owns gradients and step);
-3. under ZeRO-3 every rank takes part in gathering the full parameters, and rank 0 copies them into a
+1. rank 0 plans the step (``Trainer.plan_step``: group advantages, minibatches) and scatters each rank
+   its share of the batch: whole trajectories, a contiguous run of the prefix order balanced by packed
+   tokens (services/trainer/data_parallel.py);
+2. every rank trains on its share (``Trainer.train_share``) under its DeepSpeed engine, with the task
+   normalisation sums and each minibatch's token count all-reduced, so the ranks' averaged gradients
+   are the gradient of one rank on the whole batch; ``backward`` and ``optimizer_step`` are DeepSpeed's;
+3. on a checkpoint step every rank writes its ZeRO shards (optimizer state) into the checkpoint
+   directory beside rank 0's full weights; a restarted trainer resumes from both on every rank;
+4. under ZeRO-3 every rank takes part in gathering the full parameters, and rank 0 copies them into a
    full CPU model, which is what it publishes and checkpoints (ZeRO 1/2 keep full parameters anyway).
 
-What ZeRO buys here is memory: optimizer state (1), gradients (2) and parameters (3) are split across
-ranks, so a model too big for one device trains on several. Every rank runs the whole batch (the
-trainer's micro-batch loop is not split by rank yet), so throughput does not grow with ranks.
+ZeRO splits optimizer state (1), gradients (2) and parameters (3) across ranks, so a model too big
+for one device trains on several; data parallelism makes N ranks train a batch about N times faster
+where the ranks have their own cores or devices (docs/benchmarks/trainer_ranks.md).
 
 On the CPU it runs over gloo (``DS_BUILD_OPS=0``; DeepSpeed JIT-compiles its shared-memory comm op on
-the first start, about a minute, then it is cached); on GPUs over NCCL.
+the first start, about a minute, then it is cached); on GPUs over NCCL. Checkpoint shards are written
+by every rank into rank 0's run directory: ranks on several hosts need it on a shared filesystem.
 """
 
 from __future__ import annotations
 
 import copy
+import math
 import os
 import socket
 from pathlib import Path
@@ -34,6 +41,7 @@ from typing import Any
 import structlog
 import torch
 
+from services.trainer.data_parallel import RankShare
 from services.trainer.trainer import Trainer
 from shared.config import JetRLConfig, TrainerConfig
 from shared.messages import Trajectory
@@ -73,8 +81,20 @@ class _DeepSpeedOptimizer:
         self.engine.zero_grad()
 
     def state_dict(self) -> dict[str, Any]:
-        # Checkpoints keep full weights; ZeRO's partitioned optimizer state is not resumable from one rank.
+        # The optimizer state is in the ZeRO shards beside trainer_state.pt (CHECKPOINT_TAG); this marks it.
         return {"backend": "deepspeed", "zero_stage": self.stage}
+
+
+CHECKPOINT_TAG = "deepspeed"
+"""ZeRO shards of a checkpoint: ``<run>/checkpoints/step_N/deepspeed/`` (DeepSpeed's own layout)."""
+
+
+def torch_optimizer(engine: Any) -> torch.optim.Optimizer:
+    """The torch optimizer that takes the step under DeepSpeed's wrappers (ZeRO's keep it as ``.optimizer``)."""
+    opt = engine.optimizer
+    while not isinstance(opt, torch.optim.Optimizer) and getattr(opt, "optimizer", None) is not None:
+        opt = opt.optimizer
+    return opt
 
 
 class DeepSpeedTrainer(Trainer):
@@ -119,16 +139,39 @@ class DeepSpeedTrainer(Trainer):
             self._engine_backward(self._pending)
             self._pending = None
         self.engine.step()
-        self._stepped = True
         norm = self.engine.get_global_grad_norm()
-        return float(norm) if norm is not None else 0.0
+        norm = float(norm) if norm is not None else 0.0
+        # The norm is global, so every rank sees a non-finite one (DeepSpeed then skipped the step); a rank
+        # whose own loss was not finite has said so: all agree, so all count the step as skipped.
+        failed = self.all_reduce(torch.tensor([float(self._step_nonfinite or not math.isfinite(norm))]), op="max")
+        if failed.item() > 0:
+            self._skip_nonfinite(f"gradient norm {norm}")
+            return 0.0
+        self._stepped = True
+        return norm
 
     def _apply_lr_schedule(self) -> None:
-        """The warm-up ``train/lr`` reports, on the optimizer DeepSpeed steps (``self.optimizer`` is only
-        a facade without param_groups; ZeRO's optimizer exposes its inner one's)."""
+        """The warm-up ``train/lr`` reports, on the torch optimizer that DeepSpeed steps (``self.optimizer``
+        is a facade without param_groups; a ZeRO wrapper may keep its own list of the same groups)."""
         lr = self.current_lr()
-        for group in getattr(self.engine.optimizer, "param_groups", []):
-            group["lr"] = lr
+        for opt in {id(o): o for o in (self.engine.optimizer, torch_optimizer(self.engine))}.values():
+            for group in getattr(opt, "param_groups", []):
+                group["lr"] = lr
+
+    def applied_lr(self) -> float:
+        """The learning rate the torch optimizer under DeepSpeed will step with."""
+        return float(torch_optimizer(self.engine).param_groups[0]["lr"])
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        import torch.distributed as dist
+
+        if self.world == 1:
+            return tensor
+        on_device = tensor.to(self.device) if self.device.type != "cpu" else tensor  # NCCL reduces device tensors
+        dist.all_reduce(on_device, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
+        if on_device is not tensor:
+            tensor.copy_(on_device.cpu())
+        return tensor
 
     def _engine_backward(self, loss: torch.Tensor) -> None:
         self.engine.backward(loss)
@@ -140,19 +183,65 @@ class DeepSpeedTrainer(Trainer):
 
     # ------------------------------------------------------------------ one step on every rank
     def _optimise(self, trajs: list[Trajectory]) -> dict[str, Any]:
-        """Rank 0 (the service): hand the batch to every rank, then step with them."""
-        self._broadcast(("step", trajs, self.step, self.policy_version))
-        return self._step_all_ranks(trajs)
+        """Rank 0 (the service): plan the step, scatter every rank its share, then step with them."""
+        shares, stats = self.plan_step(trajs)
+        after = self.step + 1
+        if self.checkpoint_due(after):  # every rank writes its shards into rank 0's checkpoint directory
+            for share in shares:
+                share.checkpoint = str(self.checkpoint_dir(after).resolve())
+        _, share = self._scatter([("step", s) for s in shares])
+        return stats | self._step_all_ranks(share)
 
-    def _step_all_ranks(self, trajs: list[Trajectory]) -> dict[str, Any]:
+    def _step_all_ranks(self, share: RankShare) -> dict[str, Any]:
         self.model = self.module
         with torch.device(self.device):  # tensors the Trainer makes land beside the model
-            stats = Trainer._optimise(self, trajs)
+            stats = self.train_share(share)
         if self.cfg.zero_stage == 3:
             self._gather_full()
+        if share.checkpoint:
+            self._save_shards(Path(share.checkpoint))
         if self._full is not None:
             self.model = self._full  # what publish_weights and save_checkpoint read until the next step
         return stats
+
+    def _save_shards(self, path: Path) -> None:
+        import torch.distributed as dist
+
+        self.model = self.module
+        self.engine.save_checkpoint(str(path), tag=CHECKPOINT_TAG, save_latest=False)
+        dist.barrier()  # every shard is on disk before rank 0 writes trainer_state.pt, which finishes it
+
+    def latest_checkpoint(self) -> Path | None:
+        """The newest finished checkpoint that has ZeRO shards (one from the plain backend has none)."""
+        finished = [p for p in sorted((self.run_dir / "checkpoints").glob("step_*"))
+                    if (p / "trainer_state.pt").exists() and (p / CHECKPOINT_TAG).is_dir()]
+        return finished[-1] if finished else None
+
+    def resume(self) -> bool:
+        """Rank 0: every rank loads its shards (weights and optimizer state) of the newest checkpoint; the
+        step and policy version come from its trainer_state.pt, as in the plain trainer."""
+        latest = self.latest_checkpoint()
+        if latest is None:
+            if any((self.run_dir / "checkpoints").glob("step_*/trainer_state.pt")):
+                log.warning("trainer_resume_skipped", reason="no checkpoint with deepspeed shards")
+            return False
+        state = torch.load(latest / "trainer_state.pt", weights_only=False)
+        self._scatter([("resume", str(latest.resolve()))] * self.world)
+        self._load_shards(latest)
+        self.step = int(state["step"])
+        self.policy_version = max(int(state.get("policy_version", self.step)), self.recorded_version())
+        log.info("trainer_resumed", checkpoint=str(latest), step=self.step, policy_version=self.policy_version,
+                 ranks=self.world)
+        return True
+
+    def _load_shards(self, path: Path) -> None:
+        self.model = self.module
+        self.engine.load_checkpoint(str(path), tag=CHECKPOINT_TAG, load_optimizer_states=True,
+                                    load_lr_scheduler_states=False)
+        if self.cfg.zero_stage == 3:
+            self._gather_full()
+        if self._full is not None:
+            self.model = self._full
 
     def _gather_full(self) -> None:
         """ZeRO-3: every rank lends its shards; rank 0 keeps a full fp32 copy on the CPU."""
@@ -164,27 +253,33 @@ class DeepSpeedTrainer(Trainer):
                 state = {k: v.detach().to("cpu", torch.float32) for k, v in self.module.state_dict().items()}
                 self._full.load_state_dict(state)
 
-    def _broadcast(self, item: Any) -> Any:
+    def _scatter(self, items: list[Any] | None) -> Any:
+        """Rank 0 sends ``items[r]`` to rank r (followers pass None); returns this rank's item."""
         import torch.distributed as dist
 
-        box = [item]
-        dist.broadcast_object_list(box, src=0, device=self.device if self.device.type != "cpu" else None)
+        box: list[Any] = [None]
+        dist.scatter_object_list(box, items, src=0)
         return box[0]
+
+    def stop_followers(self) -> None:
+        self._scatter([("stop", None)] * self.world)
 
     async def run(self, stop: Any) -> None:
         try:
             await super().run(stop)
         finally:
-            self._broadcast(("stop",))
+            self.stop_followers()
 
     def follow(self) -> None:
         """Ranks > 0: do what rank 0 says until it stops."""
         while True:
-            item = self._broadcast(None)
-            if item[0] == "stop":
+            kind, item = self._scatter(None)
+            if kind == "stop":
                 return
-            _, trajs, self.step, self.policy_version = item
-            self._step_all_ranks(trajs)
+            if kind == "resume":
+                self._load_shards(Path(item))
+            else:
+                self._step_all_ranks(item)
 
 
 def start_ranks(cfg: JetRLConfig, model: Any, run_dir: Path) -> type[Trainer]:

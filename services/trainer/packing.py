@@ -68,24 +68,33 @@ def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
     return m if same.all() else int(same.argmin())
 
 
-def plan_micro_batches(seqs: list[list[int]], shareable: list[int], max_rows: int) -> list[list[int]]:
-    """Order sequences so that those sharing a prefix are neighbours (lexicographic order of their
-    shareable prefixes) and cut the order into micro-batches of at most ``max_rows`` packed rows
-    (one sequence alone may exceed it). Returns lists of sequence indices."""
+def prefix_order(seqs: list[list[int]], shareable: list[int]) -> list[tuple[int, int]]:
+    """Sequences in the lexicographic order of their shareable prefixes (those sharing a prefix become
+    neighbours), each with the packed rows it adds after its predecessor: its length less the prefix
+    it shares with it. Returns (sequence index, new rows) pairs."""
     order = sorted(range(len(seqs)), key=lambda i: tuple(seqs[i][: shareable[i]]))
-    batches: list[list[int]] = []
-    rows, prev = 0, None
+    out: list[tuple[int, int]] = []
+    prev = None
     for i in order:
         arr = np.asarray(seqs[i][: shareable[i]])
-        shared = _common_prefix(prev, arr) if prev is not None else 0
-        new_rows = len(seqs[i]) - shared
+        out.append((i, len(seqs[i]) - (_common_prefix(prev, arr) if prev is not None else 0)))
+        prev = arr
+    return out
+
+
+def plan_micro_batches(seqs: list[list[int]], shareable: list[int], max_rows: int) -> list[list[int]]:
+    """Order sequences so that those sharing a prefix are neighbours (``prefix_order``) and cut the order
+    into micro-batches of at most ``max_rows`` packed rows (one sequence alone may exceed it). Returns
+    lists of sequence indices."""
+    batches: list[list[int]] = []
+    rows = 0
+    for i, new_rows in prefix_order(seqs, shareable):
         if batches and rows + new_rows <= max_rows:
             batches[-1].append(i)
             rows += new_rows
         else:
             batches.append([i])
             rows = len(seqs[i])
-        prev = arr
     return batches
 
 

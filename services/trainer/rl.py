@@ -54,34 +54,51 @@ def task_normalize(token_adv: torch.Tensor, token_task: list[str] | torch.Tensor
     * ``off``: unchanged.
 
     A task whose advantages are all equal gets zeros (``paper``) or stays as it is (``scale``: zeros).
+    Computed from per-task sums (``task_norm_sums``), so that data-parallel ranks holding parts of one
+    batch can add their sums up (all-reduce) and normalise their part exactly as the whole batch.
     """
+    codes = _codes(token_adv, token_task)
+    num_tasks = int(codes.max()) + 1 if codes.numel() else 0
+    return task_normalize_with(token_adv, codes, task_norm_sums(token_adv, codes, num_tasks), mode)
+
+
+def task_norm_sums(token_adv: torch.Tensor, codes: torch.Tensor, num_tasks: int) -> torch.Tensor:
+    """Per task (row = task code): token count, sum, sum of squares, count of non-zero (signal) tokens,
+    in float64. Sums over disjoint parts of a batch add up to the whole batch's."""
+    a = token_adv.double()
+    out = torch.zeros(num_tasks, 4, dtype=torch.float64)
+    out[:, 0].index_add_(0, codes, torch.ones_like(a))
+    out[:, 1].index_add_(0, codes, a)
+    out[:, 2].index_add_(0, codes, a * a)
+    out[:, 3].index_add_(0, codes, (a != 0).double())
+    return out
+
+
+def task_normalize_with(token_adv: torch.Tensor, codes: torch.Tensor, sums: torch.Tensor, mode: str) -> torch.Tensor:
+    """``task_normalize`` of some tokens of a batch, given the whole batch's ``task_norm_sums``."""
     if mode == "off":
         return token_adv.float()
     if mode not in ("paper", "scale"):
         raise ValueError(f"unknown task normalisation {mode!r}")
-    codes = _codes(token_task, token_adv.numel())
-    out = torch.zeros_like(token_adv, dtype=torch.float32)
-    for code in codes.unique():
-        sel = codes == code
-        a = token_adv[sel].float()
-        if mode == "scale":
-            signal = a[a != 0]
-            rms = signal.pow(2).mean().sqrt() if signal.numel() else torch.tensor(0.0)
-            out[sel] = a / rms if rms > EPS else torch.zeros_like(a)
-            continue
-        std = a.std(unbiased=False)
-        out[sel] = (a - a.mean()) / std if std > EPS else torch.zeros_like(a)
-    return out
+    count, total, squares, signal = sums.unbind(1)
+    if mode == "scale":  # RMS over the signal tokens (the zeros add nothing to the sum of squares)
+        centre = torch.zeros_like(total)
+        spread = (squares / signal.clamp(min=1)).sqrt()
+    else:  # population mean and std over every token of the task
+        centre = total / count.clamp(min=1)
+        spread = (squares / count.clamp(min=1) - centre * centre).clamp(min=0).sqrt()
+    scale = torch.where(spread > EPS, 1.0 / spread.clamp(min=EPS), torch.zeros_like(spread))
+    return ((token_adv.double() - centre[codes]) * scale[codes]).float()
 
 
-def _codes(token_task: list[str] | torch.Tensor, n: int) -> torch.Tensor:
+def _codes(token_adv: torch.Tensor, token_task: list[str] | torch.Tensor) -> torch.Tensor:
     if isinstance(token_task, torch.Tensor):
-        codes = token_task
+        codes = token_task.long()
     else:
         names = {name: i for i, name in enumerate(dict.fromkeys(token_task))}
         codes = torch.tensor([names[t] for t in token_task], dtype=torch.long)
-    if codes.numel() != n:
-        raise ValueError(f"{n} advantages for {codes.numel()} task labels")
+    if codes.numel() != token_adv.numel():
+        raise ValueError(f"{token_adv.numel()} advantages for {codes.numel()} task labels")
     return codes
 
 

@@ -30,7 +30,15 @@ from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, ObjectMeta, ObjectMetaOptions
 
 from services.trainer import rl
-from services.trainer.packing import PackedBatch, pack, packed_logprobs, plan_micro_batches, shareable_length
+from services.trainer.data_parallel import RankShare, split_contiguous
+from services.trainer.packing import (
+    PackedBatch,
+    pack,
+    packed_logprobs,
+    plan_micro_batches,
+    prefix_order,
+    shareable_length,
+)
 from shared.bus import dead_letter, decode_or_dead_letter, publish_metrics, retrying
 from shared.config import TrainerConfig
 from shared.lm import PackedLM
@@ -62,17 +70,28 @@ class Group:
 
 
 @dataclass
+class MicroBatch:
+    """One forward/backward pass: a packed micro-batch and, per trained token in its layout, the
+    advantage, behaviour logprob, sampling temperature and loss weight (0 in a padding pass)."""
+
+    packed: PackedBatch
+    advantages: torch.Tensor
+    behaviour: torch.Tensor
+    temperature: torch.Tensor
+    weight: torch.Tensor
+
+
+@dataclass
 class TrainBatch:
-    """What one RL step trains on. Per trajectory (in ``trajs`` order): the advantage and behaviour
-    logprob of each trained token, and the sampling temperature; the prefix-shared micro-batches
-    index into ``trajs`` and lay trained tokens out trajectory by trajectory."""
+    """What one rank trains on in one RL step: its share of the batch (all of it on one rank) as
+    micro-batches, grouped into minibatches (one optimizer step each). ``minibatch_tokens`` counts the
+    trained tokens of each minibatch over every rank: the loss normaliser."""
 
     trajs: list[Trajectory]
-    advantages: list[torch.Tensor]
-    behaviour: list[torch.Tensor]
-    temperature: list[float]
-    micro_batches: list[PackedBatch]
-    num_tokens: int
+    micro_batches: list[MicroBatch]
+    minibatches: list[list[int]]  # indices into micro_batches, one list per optimizer step
+    minibatch_tokens: list[int]
+    num_tokens: int  # trained tokens of the whole batch, every rank
 
 
 class Trainer:
@@ -86,6 +105,7 @@ class Trainer:
                                            betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
         self.step = 0
         self.policy_version = 0
+        self.rank, self.world = 0, 1  # data-parallel ranks: the DeepSpeed backend runs several
         self.groups: dict[str, Group] = {}
         # episode id -> its group while held; ids of trained ones are kept (bounded) to drop duplicates
         self.seen_episodes: OrderedDict[str, str] = OrderedDict()
@@ -123,13 +143,9 @@ class Trainer:
         """Continue from the newest checkpoint of the run directory, if any: same weights, optimizer,
         step and policy version (rollout replicas ignore versions they already have, so a trainer
         restarted from scratch would be ignored)."""
-        checkpoints = sorted((self.run_dir / "checkpoints").glob("step_*"))
-        if not checkpoints:
+        latest = self.latest_checkpoint()
+        if latest is None:
             return False
-        if not hasattr(self.optimizer, "load_state_dict"):  # e.g. ZeRO: partitioned state, not resumable
-            log.warning("trainer_resume_unsupported", checkpoint=str(checkpoints[-1]))
-            return False
-        latest = checkpoints[-1]
         saved = bytes_to_weights((latest / "model.safetensors").read_bytes())
         if self.lora:  # the adapter's tensors, by name; the base weights are the run's model
             own = dict(self.model.named_parameters())
@@ -139,11 +155,33 @@ class Trainer:
         else:
             load_weights_into(self.model, saved, allow_extra=("lm_head.weight",))
         state = torch.load(latest / "trainer_state.pt", weights_only=False)
-        self.optimizer.load_state_dict(state["optimizer"])
+        if state["optimizer"].get("backend") == "deepspeed":  # ZeRO's state is in its shards: a fresh AdamW
+            log.warning("trainer_optimizer_state_not_resumed", checkpoint=str(latest), reason="written by deepspeed")
+        else:
+            self.optimizer.load_state_dict(state["optimizer"])
         self.step = int(state["step"])
         self.policy_version = max(int(state.get("policy_version", self.step)), self.recorded_version())
         log.info("trainer_resumed", checkpoint=str(latest), step=self.step, policy_version=self.policy_version)
         return True
+
+    def checkpoint_due(self, step: int) -> bool:
+        """Whether the step that brings the count to ``step`` ends with a checkpoint."""
+        return bool(self.cfg.checkpoint_every and step % self.cfg.checkpoint_every == 0) or step == self.cfg.steps
+
+    def checkpoint_dir(self, step: int) -> Path:
+        return self.run_dir / "checkpoints" / f"step_{step:06d}"
+
+    def write_checkpoint(self) -> None:
+        """Weights, optimizer state, step and policy version of the step just taken; then the oldest go.
+        ``trainer_state.pt`` is written last: a directory without it is an unfinished checkpoint."""
+        save_checkpoint(self.trained_weights(), self.optimizer, self.step, self.checkpoint_dir(self.step),
+                        {"policy_version": self.policy_version})
+        self.prune_checkpoints()
+
+    def latest_checkpoint(self) -> Path | None:
+        """The newest finished checkpoint of the run directory (one a crash cut short is passed over)."""
+        finished = [p for p in sorted((self.run_dir / "checkpoints").glob("step_*")) if (p / "trainer_state.pt").exists()]
+        return finished[-1] if finished else None
 
     def prune_checkpoints(self) -> None:
         """Keep the newest ``trainer.keep_checkpoints`` (0 = all): a long run does not fill the disk."""
@@ -323,11 +361,8 @@ class Trainer:
             self.record_version(self.policy_version)
         # SFT plays the envs' oracles: no engine reads the weights until the run's model is exported
         publish_s = await self.publish_weights() if self.cfg.mode == "rl" and updated else 0.0
-        if self.cfg.checkpoint_every and self.step % self.cfg.checkpoint_every == 0 or self.step == self.cfg.steps:
-            await asyncio.to_thread(save_checkpoint, self.trained_weights(), self.optimizer, self.step,
-                                    self.run_dir / "checkpoints" / f"step_{self.step:06d}",
-                                    {"policy_version": self.policy_version})
-            await asyncio.to_thread(self.prune_checkpoints)
+        if self.checkpoint_due(self.step):
+            await asyncio.to_thread(self.write_checkpoint)
         for g in groups:
             for _, msg in g.items.values():
                 try:
@@ -343,24 +378,26 @@ class Trainer:
 
     def _optimise(self, trajs: list[Trajectory]) -> dict[str, Any]:
         """Staleness filter -> GRPO advantages -> task normalisation -> (decoupled) PPO -> AdamW."""
-        self._apply_lr_schedule()
+        shares, stats = self.plan_step(trajs)
+        return stats | self.train_share(shares[self.rank])
+
+    def plan_step(self, trajs: list[Trajectory]) -> tuple[list[RankShare], dict[str, Any]]:
+        """Rank 0's part of a step (services/trainer/data_parallel.py): what needs whole groups (the
+        staleness filter, group advantages, the minibatch of each trajectory), then each minibatch's
+        trajectories cut, in prefix order, into one run per rank of about equal packed rows. Also the
+        batch's own statistics."""
         usable = [t for t in trajs if t.status != EpisodeStatus.ENV_ERROR and sum(t.loss_mask) > 0]
         stats = self._batch_stats(trajs)
-        if self.cfg.mode == "sft":
-            return stats | self._sft([t for t in usable if t.reward >= self.cfg.sft_min_reward])
-        batch = self._rl_batch(usable, stats)
-        if batch is None:
-            return stats
-        if self.cfg.kl_coef == 0 and not any(bool(a.any()) for a in batch.advantages):
-            # Every group all-success or all-failure: the policy gradient is exactly zero. An AdamW step
-            # would still move every weight along its old momentum, so there is no step at all.
-            stats.update({"train/skipped_update": 1.0, "train/grad_norm": 0.0, "train/loss": 0.0,
-                          "train/tokens": float(batch.num_tokens), "train/lr": self.current_lr()})
-            return stats
-        return stats | self._policy_update(batch)
-
-    def _rl_batch(self, usable: list[Trajectory], stats: dict[str, Any]) -> TrainBatch | None:
-        """Advantages per trained token, after the staleness filter and task normalisation."""
+        shares = [RankShare("idle", self.step, self.policy_version) for _ in range(self.world)]
+        if self.cfg.mode == "sft":  # demonstrations, split like an RL minibatch (one optimizer step)
+            demos = [t for t in usable if t.reward >= self.cfg.sft_min_reward]
+            if not demos:
+                return shares, stats | {"train/sft_trajectories": 0.0}
+            ordered = self._prefix_order(demos)
+            dealt = split_contiguous([rows for _, rows in ordered], self.world)
+            shares = [RankShare("sft", self.step, self.policy_version, trajs=[demos[ordered[p][0]] for p in picks])
+                      for picks in dealt]
+            return shares, stats | _balance(shares)
         # Oracle turns (version -1) come from no policy: they have no behaviour logprobs to correct with.
         usable = [t for t in usable if all(turn.policy_version >= 0 for turn in t.turns)]
         lag = [self.policy_version - t.min_policy_version for t in usable]
@@ -369,122 +406,217 @@ class Trainer:
         stats["train/stale_dropped"] = float(sum(w == 0.0 for w in weights))
         stats["train/stale_downweighted"] = float(sum(0.0 < w < 1.0 for w in weights))
         # Group statistics use every usable trajectory; dropped ones then contribute no tokens.
-        seq_adv = rl.group_advantages(torch.tensor([t.reward for t in usable]), [t.group_id for t in usable])
+        seq_adv = rl.group_advantages(torch.tensor([t.reward for t in usable]), [t.group_id for t in usable]).tolist()
         kept = [i for i, w in enumerate(weights) if w > 0]
         if not kept:
-            return None
+            return shares, stats
+        if self.cfg.kl_coef == 0 and not any(seq_adv[i] != 0 for i in kept):
+            # Every group all-success or all-failure: the policy gradient is exactly zero. An AdamW step
+            # would still move every weight along its old momentum, so there is no step at all.
+            stats.update({"train/skipped_update": 1.0, "train/grad_norm": 0.0, "train/loss": 0.0,
+                          "train/tokens": float(sum(len(_trained_positions(usable[i])) for i in kept)),
+                          "train/lr": self.current_lr()})
+            return shares, stats
         trajs = [usable[i] for i in kept]
+        # The minibatches (optimizer steps) are those of one rank on the whole batch: every
+        # ``minibatches``-th micro-batch of its plan.
+        plan = self._plan(trajs)
+        num_minibatches = min(self.cfg.minibatches, len(plan))
+        minibatch_of = {i: k % num_minibatches for k, order in enumerate(plan) for i in order}
+        tasks = sorted({t.task for t in trajs})
+        shares = [RankShare("rl", self.step, self.policy_version, num_minibatches=num_minibatches, tasks=tasks)
+                  for _ in range(self.world)]
+        for m in range(num_minibatches):
+            members = [i for i in range(len(trajs)) if minibatch_of[i] == m]
+            ordered = self._prefix_order([trajs[i] for i in members])
+            dealt = split_contiguous([rows for _, rows in ordered], self.world)
+            for share, picks in zip(shares, dealt, strict=True):
+                for p in picks:
+                    i = members[ordered[p][0]]
+                    share.trajs.append(trajs[i])
+                    share.seq_advantages.append(seq_adv[kept[i]])
+                    share.weights.append(weights[kept[i]])
+                    share.minibatch.append(m)
+        return shares, stats | _balance(shares)
+
+    def train_share(self, share: RankShare) -> dict[str, Any]:
+        """Every rank's part of a step: its share, with the whole batch's statistics (all-reduced)."""
+        self.step, self.policy_version = share.step, share.policy_version
+        self._apply_lr_schedule()
+        if share.mode == "sft":
+            return self._sft(share.trajs)
+        if share.mode != "rl":
+            return {}
+        stats: dict[str, Any] = {}
+        batch = self._rl_batch(share, stats)
+        return stats | self._policy_update(batch)
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """``tensor`` summed (or ``op="max"``) over the ranks, in place. One rank holds the whole batch."""
+        return tensor
+
+    def _rl_batch(self, share: RankShare, stats: dict[str, Any]) -> TrainBatch:
+        """This rank's trained tokens: advantages normalised per task with the whole batch's sums,
+        micro-batches per minibatch, padded to the most passes any rank makes."""
+        trajs = share.trajs
         trained = [_trained_positions(t) for t in trajs]
         counts = [len(p) for p in trained]
-        token_adv = torch.cat([seq_adv[i].repeat(n) for i, n in zip(kept, counts, strict=True)])
-        token_task = [t.task for t, n in zip(trajs, counts, strict=True) for _ in range(n)]
-        for task in sorted(set(token_task)):
-            sel = torch.tensor([x == task for x in token_task])
-            stats[f"task/{task}/adv_mean_raw"] = float(token_adv[sel].mean())
-            stats[f"task/{task}/adv_std_raw"] = float(token_adv[sel].std(unbiased=False))
-        normalised = rl.task_normalize(token_adv, token_task, self.cfg.task_norm)
-        stats["train/adv_sign_flipped"] = float(((normalised * token_adv) < 0).sum() + ((normalised != 0)
-                                                                                       & (token_adv == 0)).sum())
-        for task in sorted(set(token_task)):
-            sel = torch.tensor([x == task for x in token_task])
-            hist = torch.histc(normalised[sel], bins=10, min=-3.0, max=3.0)
-            stats[f"task/{task}/adv_hist"] = [int(x) for x in hist.tolist()]  # bins of 0.6 over [-3, 3]
-        token_weight = torch.cat([torch.full((n,), weights[i]) for i, n in zip(kept, counts, strict=True)])
-        per_traj = list((normalised * token_weight).split(counts))
+        code = {task: k for k, task in enumerate(share.tasks)}
+        token_adv = _cat([torch.full((n,), a) for a, n in zip(share.seq_advantages, counts, strict=True)])
+        token_code = _cat([torch.full((n,), code[t.task]) for t, n in zip(trajs, counts, strict=True)]).long()
+        sums = self.all_reduce(rl.task_norm_sums(token_adv, token_code, len(share.tasks)))
+        normalised = rl.task_normalize_with(token_adv, token_code, sums, self.cfg.task_norm)
+        # Reported by rank 0, over the whole batch: per task a histogram (bins of 0.6 over [-3, 3]) and
+        # the tokens whose sign normalisation changed (or that it gave a sign), summed over the ranks.
+        flipped = ((normalised * token_adv) < 0) | ((normalised != 0) & (token_adv == 0))
+        seen = torch.zeros(len(share.tasks), 11, dtype=torch.float64)
+        for k in range(len(share.tasks)):
+            sel = token_code == k
+            seen[k, :10] = torch.histc(normalised[sel], bins=10, min=ADV_HIST_RANGE[0], max=ADV_HIST_RANGE[1])
+            seen[k, 10] = float(flipped[sel].sum())
+        seen = self.all_reduce(seen)
+        for k, task in enumerate(share.tasks):
+            count, total, squares, _ = sums[k].tolist()
+            mean = total / max(count, 1.0)
+            stats[f"task/{task}/adv_mean_raw"] = mean
+            stats[f"task/{task}/adv_std_raw"] = math.sqrt(max(squares / max(count, 1.0) - mean * mean, 0.0))
+            stats[f"task/{task}/adv_hist"] = [int(x) for x in seen[k, :10].tolist()]
+        stats["train/adv_sign_flipped"] = float(seen[:, 10].sum())
+        token_weight = _cat([torch.full((n,), w) for w, n in zip(share.weights, counts, strict=True)])
+        advantages = list((normalised * token_weight).split(counts))
         behaviour = [torch.tensor(t.logprobs, dtype=torch.float32)[p] for t, p in zip(trajs, trained, strict=True)]
-        return TrainBatch(trajs=trajs, advantages=per_traj, behaviour=behaviour,
-                          temperature=[t.temperature if t.temperature > 0 else 1.0 for t in trajs],
-                          micro_batches=self._micro_batches(trajs), num_tokens=sum(counts))
+        temperature = [t.temperature if t.temperature > 0 else 1.0 for t in trajs]
+
+        members = [[i for i, b in enumerate(share.minibatch) if b == m] for m in range(share.num_minibatches)]
+        plans = [[[group[j] for j in order] for order in self._plan([trajs[i] for i in group])] for group in members]
+        # ZeRO's collectives run inside each forward/backward pass: every rank makes as many as the busiest
+        passes = self.all_reduce(torch.tensor([len(p) for p in plans], dtype=torch.float64), op="max")
+        tokens = self.all_reduce(torch.tensor([sum(counts[i] for i in g) for g in members], dtype=torch.float64))
+        seqs, marks = [t.tokens for t in trajs], [t.loss_mask for t in trajs]
+        micro: list[MicroBatch] = []
+        minibatches: list[list[int]] = []
+        for plan, need in zip(plans, passes.tolist(), strict=True):
+            start = len(micro)
+            for order in plan:
+                packed = pack(seqs, marks, order, share=self.cfg.shared_prefix)
+                micro.append(MicroBatch(packed, torch.cat([advantages[i] for i in order]),
+                                        torch.cat([behaviour[i] for i in order]), _per_token(temperature, packed),
+                                        torch.ones(packed.targets.numel())))
+            micro.extend(_padding_pass() for _ in range(int(need) - len(plan)))
+            minibatches.append(list(range(start, len(micro))))
+        return TrainBatch(trajs=trajs, micro_batches=micro, minibatches=minibatches,
+                          minibatch_tokens=[int(n) for n in tokens.tolist()], num_tokens=int(tokens.sum()))
+
+    def _prefix_order(self, trajs: list[Trajectory]) -> list[tuple[int, int]]:
+        """``trajs`` (indices) in prefix order, each with the packed rows it adds (all of it without sharing)."""
+        if not self.cfg.shared_prefix:
+            return [(i, len(t.tokens)) for i, t in enumerate(trajs)]
+        return prefix_order([t.tokens for t in trajs], [shareable_length(t.tokens, t.loss_mask) for t in trajs])
+
+    def _plan(self, trajs: list[Trajectory], context: list[list[int]] | None = None) -> list[list[int]]:
+        """Micro-batches (lists of indices into ``trajs``) of at most ``micro_batch_tokens`` packed rows,
+        prefix-sharing neighbours together."""
+        seqs = [t.tokens for t in trajs]
+        marks = context if context is not None else [t.loss_mask for t in trajs]
+        shareable = [shareable_length(s, m) for s, m in zip(seqs, marks, strict=True)]
+        return plan_micro_batches(seqs, shareable, self.cfg.micro_batch_tokens)
 
     def _micro_batches(self, trajs: list[Trajectory], context: list[list[int]] | None = None) -> list[PackedBatch]:
         """Prefix-shared micro-batches of at most ``micro_batch_tokens`` packed rows."""
         seqs = [t.tokens for t in trajs]
         marks = context if context is not None else [t.loss_mask for t in trajs]
-        shareable = [shareable_length(s, m) for s, m in zip(seqs, marks, strict=True)]
-        plans = plan_micro_batches(seqs, shareable, self.cfg.micro_batch_tokens)
-        return [pack(seqs, marks, order, share=self.cfg.shared_prefix) for order in plans]
+        return [pack(seqs, marks, order, share=self.cfg.shared_prefix) for order in self._plan(trajs, context)]
 
     def _policy_update(self, batch: TrainBatch) -> dict[str, Any]:
         lm = PackedLM(self.model)
         chunks = batch.micro_batches
-        temps = [_per_token(batch.temperature, mb) for mb in chunks]
-        advantages = [torch.cat([batch.advantages[i] for i in mb.order]) for mb in chunks]
-        behaviour = [torch.cat([batch.behaviour[i] for i in mb.order]) for mb in chunks]
         # The proximal policy is the one before this batch's first update. With one optimizer step per
         # batch it is the current policy itself (detached), so no separate pass is needed.
         proximal: list[torch.Tensor | None] = [None] * len(chunks)
         reference: list[torch.Tensor | None] = [None] * len(chunks)
         with torch.no_grad():
-            if self.cfg.loss == "decoupled" and self.cfg.minibatches > 1:
-                proximal = [packed_logprobs(lm, mb, t) for mb, t in zip(chunks, temps, strict=True)]
+            if self.cfg.loss == "decoupled" and len(batch.minibatches) > 1:
+                proximal = [packed_logprobs(lm, mb.packed, mb.temperature) for mb in chunks]
             if self.cfg.kl_coef > 0:
                 with self._reference() as ref:
-                    reference = [packed_logprobs(ref, mb, t) for mb, t in zip(chunks, temps, strict=True)]
+                    reference = [packed_logprobs(ref, mb.packed, mb.temperature) for mb in chunks]
 
         self.model.train()
-        totals = {"loss": 0.0, "clipped": 0.0, "approx_kl": 0.0, "kl_ref": 0.0, "grad_norm": 0.0}
-        parts = [list(range(len(chunks)))[m::self.cfg.minibatches] for m in range(self.cfg.minibatches)]
-        parts = [p for p in parts if p]
-        for part in parts:
+        totals = torch.zeros(4, dtype=torch.float64)  # loss, clipped tokens, approx_kl, kl_ref: summed over ranks
+        grad_norm = 0.0
+        parts = batch.minibatches
+        for part, part_tokens in zip(parts, batch.minibatch_tokens, strict=True):
             self.optimizer.zero_grad(set_to_none=True)
-            part_tokens = sum(int(chunks[k].targets.numel()) for k in part)
             for k in part:
-                logp = packed_logprobs(lm, chunks[k], temps[k])
+                mb = chunks[k]
+                logp = packed_logprobs(lm, mb.packed, mb.temperature)
                 prox = proximal[k] if proximal[k] is not None else \
                     (logp.detach() if self.cfg.loss == "decoupled" else None)
-                loss, st = rl.policy_loss(logp, behaviour[k], advantages[k], torch.ones(logp.numel()), part_tokens,
+                loss, st = rl.policy_loss(logp, mb.behaviour, mb.advantages, mb.weight, part_tokens,
                                           clip_eps=self.cfg.clip_eps, proximal_logp=prox, is_cap=self.cfg.is_cap,
                                           dual_clip=self.cfg.dual_clip or None)
+                kl = torch.zeros(())
                 if reference[k] is not None:
-                    kl = rl.kl_k3(logp, reference[k]).sum() / part_tokens
+                    kl = (rl.kl_k3(logp, reference[k]) * mb.weight).sum() / part_tokens
                     loss = loss + self.cfg.kl_coef * kl
-                    totals["kl_ref"] += float(kl.detach()) / len(parts)
                 if not math.isfinite(float(loss.detach())):
                     self._skip_nonfinite(f"loss {float(loss.detach())}")
-                    continue
-                self.backward(loss)
-                totals["loss"] += float(loss.detach()) / len(parts)
-                totals["clipped"] += st["clipped"]
-                totals["approx_kl"] += st["approx_kl"]
-            totals["grad_norm"] += self.optimizer_step() / len(parts)
+                    if self.world == 1:
+                        continue
+                    # the other ranks' passes wait for this one's collectives: run it; the step is skipped
+                # The ranks' gradients are averaged (ZeRO): each rank's share of the sum, times the ranks.
+                self.backward(loss * self.world if self.world > 1 else loss)
+                totals += torch.tensor([float(loss.detach()) / len(parts), st["clipped"], st["approx_kl"],
+                                        float(kl.detach()) / len(parts)], dtype=torch.float64)
+            grad_norm += self.optimizer_step() / len(parts)
         self.model.eval()
-        rows = sum(mb.num_rows for mb in chunks)
-        return {"train/loss": totals["loss"], "train/clipfrac": totals["clipped"] / batch.num_tokens,
-                "train/approx_kl": totals["approx_kl"] / batch.num_tokens, "train/kl_ref": totals["kl_ref"],
-                "train/grad_norm": totals["grad_norm"], "train/tokens": float(batch.num_tokens),
-                "train/packed_rows": float(rows), "train/unshared_rows": float(sum(len(t.tokens) for t in batch.trajs)),
-                "train/micro_batches": float(len(chunks)), "train/lr": self.current_lr()}
+        live = [mb for mb in chunks if bool(mb.weight.any())]
+        counts = torch.tensor([sum(mb.packed.num_rows for mb in live), float(len(live)),
+                               sum(len(t.tokens) for t in batch.trajs)], dtype=torch.float64)
+        loss_sum, clipped, approx_kl, kl_ref = self.all_reduce(totals).tolist()
+        rows, micro_batches, unshared = self.all_reduce(counts).tolist()
+        return {"train/loss": loss_sum, "train/clipfrac": clipped / batch.num_tokens,
+                "train/approx_kl": approx_kl / batch.num_tokens, "train/kl_ref": kl_ref, "train/grad_norm": grad_norm,
+                "train/tokens": float(batch.num_tokens), "train/packed_rows": rows, "train/unshared_rows": unshared,
+                "train/micro_batches": micro_batches, "train/lr": self.current_lr()}
 
     def _sft(self, demos: list[Trajectory]) -> dict[str, float]:
         """Cross-entropy on the assistant tokens of successful trajectories (oracle warm start); with
         ``sft_context_weight`` > 0 also on the context after the system message (task, tool results).
-        Called by ``_optimise``, which has set this step's learning rate."""
-        if not demos:
-            return {"train/sft_trajectories": 0.0}
+        ``demos`` is this rank's share (maybe none); the normaliser is the whole batch's token count.
+        Called by ``train_share``, which has set this step's learning rate."""
         lm = PackedLM(self.model)
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         own = [[int(m) for m in t.loss_mask] for t in demos]
         context_weight = self.cfg.sft_context_weight
         scored = [_or(o, _context_mask(t)) for o, t in zip(own, demos, strict=True)] if context_weight > 0 else own
-        num_tokens = sum(sum(o[1:]) for o in own)
-        total, context_total, context_tokens = 0.0, 0.0, 0
-        for mb in self._micro_batches(demos, scored):
+        num_tokens = int(self.all_reduce(torch.tensor([float(sum(sum(o[1:]) for o in own))], dtype=torch.float64)))
+        chunks = self._micro_batches(demos, scored) if demos else []
+        passes = int(self.all_reduce(torch.tensor([float(len(chunks))], dtype=torch.float64), op="max"))
+        totals = torch.zeros(4, dtype=torch.float64)  # loss, context loss sum, context tokens, demos: over ranks
+        for mb in chunks:
             logp = packed_logprobs(lm, mb, torch.ones(mb.targets.numel()))
             is_own = torch.cat([torch.tensor(own[i], dtype=torch.bool)[_positions(scored[i])] for i in mb.order])
             # normalised by the assistant tokens alone: the context term adds to, never dilutes, the SFT loss
             loss = -(logp[is_own].sum() + context_weight * logp[~is_own].sum()) / num_tokens
             if not math.isfinite(float(loss.detach())):
                 self._skip_nonfinite(f"loss {float(loss.detach())}")
-                continue
-            self.backward(loss)
-            total += float(-logp[is_own].detach().sum()) / num_tokens
-            context_total += float(-logp[~is_own].detach().sum())
-            context_tokens += int((~is_own).sum())
+                if self.world == 1:
+                    continue
+            self.backward(loss * self.world if self.world > 1 else loss)  # ranks' gradients are averaged
+            totals += torch.tensor([float(-logp[is_own].detach().sum()) / num_tokens,
+                                    float(-logp[~is_own].detach().sum()), float((~is_own).sum()), 0.0],
+                                   dtype=torch.float64)
+        for _ in range(passes - len(chunks)):  # a rank with fewer micro-batches keeps ZeRO's collectives in step
+            pad = _padding_pass()
+            self.backward(packed_logprobs(lm, pad.packed, pad.temperature).sum() * 0.0)
+        totals[3] = float(len(demos))
         grad_norm = self.optimizer_step()
         self.model.eval()
+        total, context_total, context_tokens, num_demos = self.all_reduce(totals).tolist()
         stats = {"train/loss": total, "train/grad_norm": grad_norm, "train/tokens": float(num_tokens),
-                 "train/sft_trajectories": float(len(demos)), "train/lr": self.current_lr()}
+                 "train/sft_trajectories": num_demos, "train/lr": self.current_lr()}
         if context_tokens:
             stats["train/context_loss"] = context_total / context_tokens
         return stats
@@ -533,7 +665,8 @@ class Trainer:
         return grad_norm
 
     def _skip_nonfinite(self, what: str) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
+        if self.world == 1:  # several ranks: mid-pass gradients are ZeRO's; DeepSpeed skips the step itself
+            self.optimizer.zero_grad(set_to_none=True)
         if not self._step_nonfinite:
             self.counters["train/nonfinite_skipped"] += 1
             log.warning("nonfinite_step_skipped", step=self.step + 1, what=what)
@@ -600,6 +733,27 @@ def _positions(marks: list[int]) -> list[int]:
 
 def _trained_positions(traj: Trajectory) -> list[int]:
     return _positions(traj.loss_mask)
+
+
+def _balance(shares: list[RankShare]) -> dict[str, float]:
+    """How even a split is: the fewest and most tokens a rank runs (several ranks only)."""
+    if len(shares) < 2:
+        return {}
+    loads = [sum(len(t.tokens) for t in share.trajs) for share in shares]
+    return {"train/rank_tokens_min": float(min(loads)), "train/rank_tokens_max": float(max(loads))}
+
+
+def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
+    """``torch.cat`` that also takes no parts (a rank whose share is empty)."""
+    return torch.cat(parts) if parts else torch.zeros(0)
+
+
+def _padding_pass() -> MicroBatch:
+    """A pass that changes no gradient (weight 0 on its one token), for a rank with fewer micro-batches
+    than the others in a minibatch, or none: its collectives keep in step with theirs."""
+    packed = pack([[0, 0]], [[0, 1]], [0])
+    zero = torch.zeros(1)
+    return MicroBatch(packed, zero, zero, torch.ones(1), zero)
 
 
 def _per_token(values: list[float], mb: PackedBatch) -> torch.Tensor:
