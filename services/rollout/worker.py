@@ -146,7 +146,10 @@ class RolloutWorker:
         slots = asyncio.Semaphore(concurrency)
         tasks: set[asyncio.Task[None]] = set()
         while not stop.is_set():
-            await slots.acquire()
+            try:  # a lane whose every slot is stuck must still see the stop
+                await asyncio.wait_for(slots.acquire(), timeout=1.0)
+            except TimeoutError:
+                continue
             try:
                 msgs = await sub.fetch(1, timeout=1.0)
             except (TimeoutError, NatsTimeout):
