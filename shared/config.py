@@ -354,6 +354,9 @@ class ControllerConfig:
                                                 "yet finished ('*' = every task not named); a task at its bound "
                                                 "is skipped, so a saturated slow task never holds every in-flight "
                                                 "slot; empty = max_inflight alone")
+    lane_lead: int = opt(0, "per-task lanes: groups a task may run ahead of its share while another task's lane is "
+                            "full; then publishing waits for it (shares stay near the weights). 0 = never wait "
+                            "(a stuck task's share goes to the others)")
     sync: bool = opt(False, "synchronous, on-policy baseline: publish one training batch (trainer.min_groups "
                             "groups) played with the newest weights, wait for the trainer's step on it, then "
                             "the next (rollouts load the new weights before their first turn); staleness 0. "

@@ -110,3 +110,16 @@ async def test_without_lanes_the_saturated_task_takes_every_slot(nc, config, sub
     controller, _, _ = await run_mixed(nc, config, subjects, lanes=False, until=starved)
     assert seen and seen[-1][1] == 4 and sum(seen[-1][0].values()) == 8, seen[-3:]
     assert controller.books[SLOW].finished == 0
+
+
+def test_planner_lead_bounds_how_far_a_task_runs_ahead_of_its_share() -> None:
+    from services.controller.controller import Planner
+
+    ids = {"db": ["d"], SLOW: ["s"]}
+    free = Planner({"db": 1.0, SLOW: 1.0}, ids, seed=0)  # lead 0: the stuck task's turns go to db, always
+    assert all(free.next_group({"db"}) == ("db", "d") for _ in range(50))
+    held = Planner({"db": 1.0, SLOW: 1.0}, ids, seed=0, lead=2)
+    picks = [held.next_group({"db"}) for _ in range(6)]
+    assert picks[:4] == [("db", "d")] * 4 and picks[4:] == [None] * 2  # 4 of 4: 2 groups past its half
+    caught_up = [held.next_group() for _ in range(4)]
+    assert [pick[0] for pick in caught_up if pick] == [SLOW] * 4  # the slow task's owed turns come first

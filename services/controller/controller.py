@@ -77,21 +77,30 @@ class SyncBatch:
 
 
 class Planner:
-    """Smooth weighted round robin over tasks (exact shares, no clumping); seeded task-id draws. A task
-    left out of ``eligible`` (its lane is full) loses its turn: the others share the slot by their weights."""
+    """Smooth weighted round robin over tasks (exact shares, no clumping); seeded task-id draws.
 
-    def __init__(self, mix: dict[str, float], task_ids: dict[str, list[str]], seed: int) -> None:
+    A task left out of ``eligible`` (its lane is full) loses its turn to the others, but keeps earning
+    credit; with ``lead`` > 0 no task runs more than ``lead`` groups ahead of its share (then the planner
+    waits for the blocked one: shares stay near the weights); ``lead`` = 0 never waits (a stuck task's
+    share goes to the others)."""
+
+    def __init__(self, mix: dict[str, float], task_ids: dict[str, list[str]], seed: int, lead: int = 0) -> None:
         self.mix = {t: w for t, w in mix.items() if w > 0}
         self.task_ids = task_ids
         self.credit = {t: 0.0 for t in self.mix}
         self.rng = random.Random(seed)
+        self.lead = lead
 
-    def next_group(self, eligible: set[str] | None = None) -> tuple[str, str]:
-        tasks = [t for t in self.mix if eligible is None or t in eligible]
-        for t in tasks:
+    def next_group(self, eligible: set[str] | None = None) -> tuple[str, str] | None:
+        total = sum(self.mix.values())
+        tasks = [t for t in self.mix if (eligible is None or t in eligible)
+                 and (not self.lead or self.credit[t] + self.mix[t] - total >= -self.lead * total)]
+        if not tasks:
+            return None
+        for t in self.mix:
             self.credit[t] += self.mix[t]
         task = max(tasks, key=lambda t: self.credit[t])
-        self.credit[task] -= sum(self.mix[t] for t in tasks)
+        self.credit[task] -= total
         return task, self.rng.choice(self.task_ids[task])
 
 
@@ -149,7 +158,7 @@ class Controller:
 
     async def publish_jobs(self, stop: asyncio.Event) -> None:
         task_ids = await self.fetch_task_ids(self.cfg.controller.env_wait_s)
-        planner = Planner(self.cfg.controller.tasks, task_ids, self.cfg.run.seed)
+        planner = Planner(self.cfg.controller.tasks, task_ids, self.cfg.run.seed, self.cfg.controller.lane_lead)
         self.state = "running"
         await self.nc.publish(self.subjects.run_control, encode(RunControl(event="started", info={
             "tasks": {t: len(ids) for t, ids in task_ids.items()}, "sync": self.cfg.controller.sync})))
@@ -164,12 +173,14 @@ class Controller:
         size = self.cfg.controller.group_size
         while not stop.is_set() and not self.training_done:
             self.expire_lost()
-            eligible = self.open_lanes()
-            if (not eligible or len(self.inflight) + size > max(self.cfg.controller.max_inflight, size)
-                    or await self.backlog_full()):
+            if len(self.inflight) + size > max(self.cfg.controller.max_inflight, size) or await self.backlog_full():
                 await self._wait_for_news()
                 continue
-            await self.publish_group(*planner.next_group(eligible))
+            pick = planner.next_group(self.open_lanes())  # None: every task with room is ahead of its share
+            if pick is None:
+                await self._wait_for_news()
+                continue
+            await self.publish_group(*pick)
 
     async def publish_sync(self, planner: Planner, stop: asyncio.Event) -> None:
         """One batch (the ``trainer.min_groups`` groups of one step) at a time, with the newest policy
@@ -179,7 +190,8 @@ class Controller:
             started = time.monotonic()
             episodes: list[str] = []
             for _ in range(self.cfg.trainer.min_groups):
-                episodes += await self.publish_group(*planner.next_group(), policy_version=version)
+                task, task_id = planner.next_group() or ("", "")  # without lanes the planner always picks
+                episodes += await self.publish_group(task, task_id, policy_version=version)
             await self._wait_until(lambda batch=episodes: not any(e in self.inflight for e in batch), stop)
             generated = time.monotonic()
             await self._wait_until(lambda before=step: self.trainer_step > before or self.training_done, stop)
