@@ -15,13 +15,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from pathlib import Path
 from typing import Any
 
 from bench.async_vs_sync import JETRL, log, run
 
 
-def shares(rows: list[dict[str, Any]], weights: dict[str, float]) -> dict[str, Any]:
+def played(run_dir: Path, weights: dict[str, float]) -> dict[str, float]:
+    """Episodes the run played per task (finished, trained or not): the controller's last status line."""
+    text = (run_dir / "logs" / "controller.log").read_text()
+    return {t: float(m[1]) for t in weights if (m := re.search(rf"'{t}': {{'published': \d+, 'finished': (\d+)", text))}
+
+
+def shares(rows: list[dict[str, Any]], weights: dict[str, float], played: dict[str, float]) -> dict[str, Any]:
     episodes = {t: sum(r.get(f"task/{t}/episodes", 0.0) for r in rows) for t in weights}
     total, weight_sum = sum(episodes.values()), sum(weights.values())
     wall = rows[-1]["ts"] - rows[0]["ts"]
@@ -30,7 +37,9 @@ def shares(rows: list[dict[str, Any]], weights: dict[str, float]) -> dict[str, A
             "weight": {t: round(w / weight_sum, 3) for t, w in weights.items()},
             "off_by": {t: round(abs(episodes[t] / total - w / weight_sum) / (w / weight_sum), 3)
                        for t, w in weights.items()},
-            "episodes_per_s": round(sum(r["train/trajectories"] for r in rows[1:]) / wall, 3) if wall else 0.0}
+            "episodes_per_s": round(sum(r["train/trajectories"] for r in rows[1:]) / wall, 3) if wall else 0.0,
+            "played": played,
+            "played_share": {t: round(n / sum(played.values()), 3) for t, n in played.items()} if played else {}}
 
 
 def main() -> None:
@@ -61,14 +70,16 @@ def main() -> None:
         rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()] if metrics.exists() else []
         if len(rows) < 2:
             raise SystemExit(f"{name}: rc {rc}, {len(rows)} steps; see {out / (run_dir.name + '.log')}")
-        results[name] = shares(rows, weights) | {"rc": rc, "extra": extra}
+        results[name] = shares(rows, weights, played(run_dir, weights)) | {"rc": rc, "extra": extra}
         log(f"{name}: {results[name]}")
     (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
-    print("| run | " + " | ".join(f"{t} share (weight)" for t in weights) + " | trained episodes/s |")
+    print("| run | " + " | ".join(f"{t}: weight, share played, share trained" for t in weights)
+          + " | trained episodes/s |")
     print("|---|" + "---|" * len(weights) + "---|")
     for name in plans:
         r = results[name]
-        cells = " | ".join(f"{r['share'][t]:.3f} ({r['weight'][t]:.2f}), off by {r['off_by'][t]:.0%}" for t in weights)
+        cells = " | ".join(f"{r['weight'][t]:.2f}, {r['played_share'].get(t, 0):.3f} ({r['played'].get(t, 0):.0f}), "
+                           f"{r['share'][t]:.3f} ({r['episodes'][t]:.0f})" for t in weights)
         print(f"| {name} | {cells} | {r['episodes_per_s']:.2f} |")
 
 
