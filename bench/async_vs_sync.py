@@ -10,9 +10,10 @@
 * **async** (``controller.sync = false``): rollouts run ahead of the trainer (bounded by ``max_backlog``).
 
 Each run is ``jetrl up`` with ``--steps`` steps; the figures come from its ``metrics.jsonl`` over the steady
-window from the end of step 1 to the end of the last step (start-up and the first batch left out):
+window from the end of step ``--skip-steps`` (S) to the end of the last step (start-up, and the backlog
+async rollouts build before the window, left out):
 
-* trained episodes/s = trajectories trained in steps 2..N / (ts_N - ts_1), and the async / sync ratio;
+* trained episodes/s = trajectories trained in steps S+1..N / (ts_N - ts_S), and the async / sync ratio;
 * from the sync run: T_train = mean step time (``train/step_s``: optimise, publish weights, checkpoint),
   T_gen = mean (step interval - T_train): publish, load weights, play the batch, deliver it;
   the ideal overlap (T_gen + T_train) / max(T_gen, T_train); goal: ratio >= 0.9 x ideal;
@@ -75,10 +76,12 @@ def warm_start(args: argparse.Namespace, overrides: list[str]) -> Path:
     return model
 
 
-def figures(rows: list[dict[str, Any]]) -> dict[str, float]:
-    """Steady-window figures of one run's metrics rows (steps 2..N against the end of step 1)."""
+def figures(all_rows: list[dict[str, Any]], skip: int) -> dict[str, float]:
+    """Steady-window figures of one run's metrics rows: steps skip+1..N against the end of step ``skip``
+    (start-up, and in async mode the backlog the rollouts built before the window, left out)."""
+    rows = all_rows[skip - 1:]
     if len(rows) < 2:
-        raise SystemExit(f"need at least 2 steps, got {len(rows)}")
+        raise SystemExit(f"need at least {skip + 1} steps, got {len(all_rows)}")
     window = rows[1:]
     wall = rows[-1]["ts"] - rows[0]["ts"]
     episodes = sum(r["train/trajectories"] for r in window)
@@ -94,7 +97,7 @@ def figures(rows: list[dict[str, Any]]) -> dict[str, float]:
         "staleness_mean": round(sum(r.get("train/staleness_mean", 0.0) for r in rows) / len(rows), 3),
         "staleness_max": max(r.get("train/staleness_max", 0.0) for r in rows),
         "reward_mean": round(sum(rewards) / len(rewards), 3) if rewards else 0.0,
-        "policy_versions": rows[-1]["policy_version"],
+        "policy_versions": rows[-1]["policy_version"], "window_steps": len(window),
     }
 
 
@@ -126,6 +129,7 @@ def main() -> None:
     parser.add_argument("--rollouts", type=int, default=1, help="rollout replicas")
     parser.add_argument("--time-limit-min", type=float, default=8.0, help="per run")
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    parser.add_argument("--skip-steps", type=int, default=2, help="the window starts at the end of this step")
     args, overrides = parser.parse_known_args()
     overrides = [o for o in overrides if o != "--"]
     out = Path(args.out).resolve()
@@ -142,9 +146,9 @@ def main() -> None:
         rc = run(cmd, out / f"{mode}.log", args.time_limit_min * 60)
         metrics = run_dir / "metrics.jsonl"
         rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()] if metrics.exists() else []
-        if len(rows) < 3:  # a run stopped by the time limit still counts with the steps it finished
+        if len(rows) < args.skip_steps + 2:  # a run stopped by the time limit counts with the steps it finished
             raise SystemExit(f"{mode} run (rc {rc}) finished {len(rows)} steps: see {out / (mode + '.log')}")
-        results[mode] = figures(rows) | {"rc": rc}
+        results[mode] = figures(rows, args.skip_steps) | {"rc": rc}
         log(f"{mode}: {results[mode]}")
     if all(m in results for m in MODES):
         lines = report(results)
