@@ -11,7 +11,8 @@
   naming the newest policy version (a rollout loads it before the first turn); the next batch waits for
   the trainer's step on this one. Staleness 0, and no overlap of generation and training.
 * Lanes (``controller.task_max_inflight``): a task with its bound of episodes in flight is skipped, so a
-  slow or stuck task (os, alfworld) cannot hold every in-flight slot while a fast one waits.
+  slow or stuck task (os, alfworld) cannot hold every in-flight slot while a fast one waits; with
+  ``lane_lead`` the others run at most that many groups ahead of their share, which keeps the mix.
 * Lifecycle: an episode is *published*, then *finished* when its trajectory lands in TRAJ (each
   episode id counted once, whatever the redeliveries).
 * Metrics: the latest report of every role, plus per-task success of finished episodes.
@@ -190,8 +191,9 @@ class Controller:
             started = time.monotonic()
             episodes: list[str] = []
             for _ in range(self.cfg.trainer.min_groups):
-                task, task_id = planner.next_group() or ("", "")  # without lanes the planner always picks
-                episodes += await self.publish_group(task, task_id, policy_version=version)
+                pick = planner.next_group()
+                assert pick is not None  # every task eligible: the one owed most is never ahead of its share
+                episodes += await self.publish_group(*pick, policy_version=version)
             await self._wait_until(lambda batch=episodes: not any(e in self.inflight for e in batch), stop)
             generated = time.monotonic()
             await self._wait_until(lambda before=step: self.trainer_step > before or self.training_done, stop)
