@@ -89,7 +89,7 @@ def figures(all_rows: list[dict[str, Any]], skip: int) -> dict[str, float]:
     gaps = [b["ts"] - a["ts"] for a, b in zip(rows, rows[1:], strict=False)]
     rewards = [v for r in rows for k, v in r.items() if k.startswith("task/") and k.endswith("/reward")]
     return {
-        "steps": len(rows), "window_s": round(wall, 2), "episodes": episodes,
+        "steps": len(all_rows), "window_s": round(wall, 2), "episodes": episodes,
         "episodes_per_s": round(episodes / wall, 4),
         "t_train_s": round(sum(step_s) / len(step_s), 3),
         "t_gen_s": round(sum(g - s for g, s in zip(gaps, step_s, strict=True)) / len(gaps), 3),
@@ -107,7 +107,7 @@ def report(results: dict[str, Any]) -> list[str]:
     ratio = a["episodes_per_s"] / s["episodes_per_s"]
     results["summary"] = {"ratio": round(ratio, 3), "ideal": round(ideal, 3), "of_ideal": round(ratio / ideal, 3),
                           "goal_met": ratio >= 0.9 * ideal}
-    lines = ["| mode | trained episodes/s | T_gen (s) | T_train (s) | trainer busy | staleness mean / max | "
+    lines = ["| mode | trained episodes/s | T_gen (s; async: trainer idle between steps) | T_train (s) | trainer busy | staleness mean / max | "
              "mean reward | policy versions |", "|---|---|---|---|---|---|---|---|"]
     for mode in MODES:
         r = results[mode]
