@@ -40,7 +40,7 @@ MODES = ("sync", "async")
 
 
 def log(msg: str) -> None:
-    print(f"[async_vs_sync {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+    print(f"[{Path(sys.argv[0]).stem} {time.strftime('%H:%M:%S')}] {msg}", flush=True)  # bench/lanes.py too
 
 
 def run(cmd: list[str], log_file: Path, limit_s: float) -> int:
