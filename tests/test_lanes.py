@@ -123,3 +123,14 @@ def test_planner_lead_bounds_how_far_a_task_runs_ahead_of_its_share() -> None:
     assert picks[:4] == [("db", "d")] * 4 and picks[4:] == [None] * 2  # 4 of 4: 2 groups past its half
     caught_up = [held.next_group() for _ in range(4)]
     assert [pick[0] for pick in caught_up if pick] == [SLOW] * 4  # the slow task's owed turns come first
+
+
+async def test_lanes_beside_the_shared_consumer_are_refused_with_the_reason(nc, config, subjects) -> None:
+    config.rollout.engine = "oracle"
+    tokenizer = load_tokenizer(resolve_model(ModelConfig()))
+    worker = RolloutWorker(nc, nc.jetstream(), subjects, config.rollout, None, tokenizer, "rollout-one-lane",
+                           tasks=["db"])
+    await worker.subscribe_jobs()  # an earlier run on this prefix: one consumer for every task
+    config.rollout.task_concurrency = {"*": 2}
+    with pytest.raises(RuntimeError, match="per-task lanes .* or one consumer for every task, never both"):
+        await worker.run(asyncio.Event())

@@ -30,6 +30,7 @@ from nats.aio.msg import Msg
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from nats.js.errors import BadRequestError
 from nats.micro import add_service
 from nats.micro.request import Request
 
@@ -67,6 +68,7 @@ from shared.subjects import Subjects
 log = structlog.get_logger()
 
 MAX_DELIVER = 5
+OVERLAPPING_CONSUMER = 10100  # JetStream: "filtered consumer not unique on workqueue stream"
 ORACLE_ENGINE_ID = "oracle"
 ORACLE_POLICY_VERSION = -1  # oracle turns come from no policy: for SFT, never for RL ratios
 
@@ -136,7 +138,15 @@ class RolloutWorker:
     async def run(self, stop: asyncio.Event) -> None:
         """Keep every lane's slots busy; fetch a job only when a slot is free (no hoarding)."""
         lanes = self.lanes()
-        subs = {lane: await self.subscribe_jobs(lane) for lane in lanes}
+        try:
+            subs = {lane: await self.subscribe_jobs(lane) for lane in lanes}
+        except BadRequestError as exc:
+            if exc.err_code != OVERLAPPING_CONSUMER:
+                raise
+            raise RuntimeError(
+                f"JOBS already has a rollout consumer whose subjects overlap these lanes ({list(lanes)}): a run "
+                "uses per-task lanes (rollout.task_concurrency) or one consumer for every task, never both. "
+                f"Delete the old consumers of stream {self.subjects.jobs_stream} or start on a fresh prefix.") from None
         for lane in lanes:
             await self.handle_exhausted_jobs(self.lane_consumer(lane))
         await asyncio.gather(*(self._pull(lane, subs[lane], slots, stop) for lane, slots in lanes.items()))
