@@ -8,7 +8,7 @@ Roles and what they may do (JetStream API, KV and object-store internals include
   the policy KV and ``weights.published`` / ``trainer.finished``.
 * ``controller``: the only publisher of jobs and ``run.control``; reads TRAJ through its own durable
   consumer, the trainer consumer's backlog, the registry, metrics and announcements.
-* ``rollout``: pulls JOBS through the shared durable consumer; publishes actions, observations and
+* ``rollout``: pulls JOBS through the shared durable consumer (or one per task: lanes); publishes actions, observations and
   trajectories; calls env and generation-pool endpoints, serves the pool; reads the weights.
 * ``env``: serves the env endpoints (NATS micro), answers only the requests it receives.
 * ``observer`` (``jetrl watch``, any trajectory-stream reader): reads
@@ -31,7 +31,7 @@ import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shared.config import ControllerConfig, NatsConfig
+from shared.config import TASKS, ControllerConfig, NatsConfig
 from shared.subjects import Subjects
 
 ROLES = ("admin", "trainer", "controller", "rollout", "env", "observer")
@@ -139,12 +139,14 @@ def role_permissions(subjects: Subjects, role: str) -> Permissions:
     elif role == "rollout":
         pub += [*s.episode_stream_subjects, s.traj(">"), s.metrics("rollout"),
                 f"{s.prefix}.env.>", f"{s.prefix}.gen.>", *_durable(s.jobs_stream, s.rollout_consumer),
+                *(p for t in TASKS for p in _durable(s.jobs_stream, s.rollout_lane_consumer(t))),  # per-task lanes
                 *_stream_read(kv_policy), *_ephemeral_consumers(kv_policy),  # the policy KV: read and watch
                 *_stream_read(obj_weights), *_ephemeral_consumers(obj_weights)]
         # a job out of deliveries (the server's advisory): read it back, dead-letter it, delete it (worker.py)
         pub += [f"{API}.STREAM.MSG.GET.{s.jobs_stream}", f"{API}.STREAM.MSG.DELETE.{s.jobs_stream}"]
         sub += [s.weights_published, s.training_finished, f"{s.prefix}.gen.>", "$SRV.>",
-                s.max_deliveries_advisory(s.jobs_stream, s.rollout_consumer)]
+                s.max_deliveries_advisory(s.jobs_stream, s.rollout_consumer),
+                *(s.max_deliveries_advisory(s.jobs_stream, s.rollout_lane_consumer(t)) for t in TASKS)]
     elif role == "env":
         sub += [f"{s.prefix}.env.>", "$SRV.>"]
     return Permissions(publish=tuple(pub), subscribe=tuple(sub))

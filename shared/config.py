@@ -248,6 +248,11 @@ class RolloutConfig:
                                      "(same tokenizer, its own weights)")
     engine_id: str = opt("", "name of this replica's engine in trajectories; empty = replica id")
     concurrency: int = opt(4, "episodes one replica plays at once")
+    task_concurrency: dict[str, int] = opt({}, "per-task lanes: task -> most episodes of that task one replica "
+                                               "plays at once ('*' = every task not named), each task pulled "
+                                               "from its own consumer, so a slow task (os, alfworld) cannot "
+                                               "take the slots of a fast one; empty = one lane of `concurrency` "
+                                               "slots for every task")
     max_new_tokens: int = opt(96, "tokens one turn may generate")
     tool_format: str = opt("json", "how the system prompt lists the tools: json (their JSON schemas, as Qwen2.5 "
                                    "does) | compact (one line per tool: ~4x fewer tokens, for small models)")
@@ -347,6 +352,17 @@ class ControllerConfig:
     eval_temperature: float = opt(1.0, "eval: sampling temperature of the sampled pass")
     group_size: int = opt(4, "episodes per group (same task instance), for group-relative advantages")
     max_inflight: int = opt(16, "at most this many episodes published and not yet finished")
+    task_max_inflight: dict[str, int] = opt({}, "per-task lanes: task -> most of its episodes published and not "
+                                                "yet finished ('*' = every task not named); a task at its bound "
+                                                "is skipped, so a saturated slow task never holds every in-flight "
+                                                "slot; empty = max_inflight alone")
+    lane_lead: int = opt(0, "per-task lanes: groups a task may run ahead of its share while another task's lane is "
+                            "full; then publishing waits for it (shares stay near the weights). 0 = never wait "
+                            "(a stuck task's share goes to the others)")
+    sync: bool = opt(False, "synchronous, on-policy baseline: publish one training batch (trainer.min_groups "
+                            "groups) played with the newest weights, wait for the trainer's step on it, then "
+                            "the next (rollouts load the new weights before their first turn); staleness 0. "
+                            "false = asynchronous: rollouts run ahead of the trainer, bounded by max_backlog")
     max_backlog: int = opt(256, "publishing pauses while this many finished trajectories wait for the trainer "
                                 "(its consumer's pending + unacked); bounds wasted rollouts and staleness; 0 = no bound")
     temperature: float = opt(1.0, "sampling temperature for training episodes")
@@ -572,6 +588,14 @@ def validate(cfg: JetRLConfig) -> None:
         raise ConfigError(f"rollout.tool_format must be json | compact, got {cfg.rollout.tool_format!r}")
     if cfg.trainer.broadcast_dtype not in ("float32", "bfloat16"):
         raise ConfigError("trainer.broadcast_dtype must be float32 or bfloat16")
+    if cfg.controller.sync and cfg.rollout.cross_policy_prob > 0:
+        raise ConfigError("controller.sync needs rollout.cross_policy_prob = 0: turns from the pool's stale "
+                          "engines are off-policy by design")
+    for key, lanes in (("rollout.task_concurrency", cfg.rollout.task_concurrency),
+                       ("controller.task_max_inflight", cfg.controller.task_max_inflight)):
+        unknown = set(lanes) - set(TASKS) - {"*"}
+        if unknown or any(v < 1 for v in lanes.values()):
+            raise ConfigError(f"{key} maps tasks ({', '.join(TASKS)}, or '*') to at least 1, got {lanes}")
     if cfg.run.log_format not in ("console", "json"):
         raise ConfigError("run.log_format must be console or json")
 

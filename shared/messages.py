@@ -92,6 +92,9 @@ class EpisodeJob(Message, tag="episode_job", kw_only=True):
     temperature: Temperature = 1.0
     max_new_tokens: NewTokens = 128
     created_at: float = msgspec.field(default_factory=now)
+    policy_version: int = -1
+    """Synchronous mode (``controller.sync``): the policy version to play with; a rollout replica loads it
+    before the first turn. -1 = whatever version the replica holds (asynchronous)."""
 
 
 # --------------------------------------------------------------------------------------------- #

@@ -59,6 +59,11 @@ class Subjects:
     # ---- consumers ----
     rollout_consumer: str = "rollout"
     """The one durable pull consumer on JOBS that every rollout replica shares (load balancing)."""
+    def rollout_lane_consumer(self, task: str) -> str:
+        """A task's own durable consumer on JOBS (``rollout.task_concurrency``: per-task lanes), shared by
+        every rollout replica; a run uses either these or ``rollout_consumer``, never both (JOBS is a work queue)."""
+        return f"{self.rollout_consumer}-{check_token(task, 'task')}"
+
     trainer_consumer: str = "trainer"
     """The trainer's durable pull consumer on TRAJ."""
     controller_consumer: str = "controller"

@@ -7,6 +7,12 @@
   TRAJ): rollouts never wait for a training step, but they do not run far ahead of the trainer either,
   which would only burn CPU on data that is stale by the time it is trained on. Because rollout
   replicas pull jobs, more replicas simply drain the queue faster.
+* Synchronous mode (``controller.sync``, the on-policy baseline): one training batch at a time, its jobs
+  naming the newest policy version (a rollout loads it before the first turn); the next batch waits for
+  the trainer's step on this one. Staleness 0, and no overlap of generation and training.
+* Lanes (``controller.task_max_inflight``): a task with its bound of episodes in flight is skipped, so a
+  slow or stuck task (os, alfworld) cannot hold every in-flight slot while a fast one waits; with
+  ``lane_lead`` the others run at most that many groups ahead of their share, which keeps the mix.
 * Lifecycle: an episode is *published*, then *finished* when its trajectory lands in TRAJ (each
   episode id counted once, whatever the redeliveries).
 * Metrics: the latest report of every role, plus per-task success of finished episodes.
@@ -18,7 +24,8 @@ import asyncio
 import random
 import time
 import uuid
-from collections import defaultdict, deque
+from collections import Counter, defaultdict, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,20 +67,40 @@ class TaskBook:
     recent: deque[float] = field(default_factory=lambda: deque(maxlen=64))
 
 
-class Planner:
-    """Smooth weighted round robin over tasks (exact shares, no clumping); seeded task-id draws."""
+@dataclass
+class SyncBatch:
+    """One batch of the synchronous mode: how long its episodes took, then how long the trainer's step."""
 
-    def __init__(self, mix: dict[str, float], task_ids: dict[str, list[str]], seed: int) -> None:
+    policy_version: int
+    episodes: int
+    gen_s: float
+    train_wait_s: float
+
+
+class Planner:
+    """Smooth weighted round robin over tasks (exact shares, no clumping); seeded task-id draws.
+
+    A task left out of ``eligible`` (its lane is full) loses its turn to the others, but keeps earning
+    credit; with ``lead`` > 0 no task runs more than ``lead`` groups ahead of its share (then the planner
+    waits for the blocked one: shares stay near the weights); ``lead`` = 0 never waits (a stuck task's
+    share goes to the others)."""
+
+    def __init__(self, mix: dict[str, float], task_ids: dict[str, list[str]], seed: int, lead: int = 0) -> None:
         self.mix = {t: w for t, w in mix.items() if w > 0}
         self.task_ids = task_ids
         self.credit = {t: 0.0 for t in self.mix}
         self.rng = random.Random(seed)
+        self.lead = lead
 
-    def next_group(self) -> tuple[str, str]:
+    def next_group(self, eligible: set[str] | None = None) -> tuple[str, str] | None:
         total = sum(self.mix.values())
-        for t, w in self.mix.items():
-            self.credit[t] += w
-        task = max(self.credit, key=lambda t: self.credit[t])
+        tasks = [t for t in self.mix if (eligible is None or t in eligible)
+                 and (not self.lead or self.credit[t] + self.mix[t] - total >= -self.lead * total)]
+        if not tasks:
+            return None
+        for t in self.mix:
+            self.credit[t] += self.mix[t]
+        task = max(tasks, key=lambda t: self.credit[t])
         self.credit[task] -= total
         return task, self.rng.choice(self.task_ids[task])
 
@@ -83,6 +110,9 @@ class Controller:
         self.nc, self.js, self.subjects, self.cfg, self.replica_id = nc, js, subjects, cfg, replica_id
         self.books: dict[str, TaskBook] = defaultdict(TaskBook)
         self.inflight: dict[str, float] = {}  # episode id -> published at
+        self.inflight_task: dict[str, str] = {}  # episode id -> task, for the per-task lanes
+        self.inflight_by_task: Counter[str] = Counter()
+        self.sync_batches: list[SyncBatch] = []
         self.finished: set[str] = set()
         self.duplicates = 0
         self.lost = 0
@@ -129,35 +159,110 @@ class Controller:
 
     async def publish_jobs(self, stop: asyncio.Event) -> None:
         task_ids = await self.fetch_task_ids(self.cfg.controller.env_wait_s)
-        planner = Planner(self.cfg.controller.tasks, task_ids, self.cfg.run.seed)
+        planner = Planner(self.cfg.controller.tasks, task_ids, self.cfg.run.seed, self.cfg.controller.lane_lead)
         self.state = "running"
         await self.nc.publish(self.subjects.run_control, encode(RunControl(event="started", info={
-            "tasks": {t: len(ids) for t, ids in task_ids.items()}})))
+            "tasks": {t: len(ids) for t, ids in task_ids.items()}, "sync": self.cfg.controller.sync})))
+        if self.cfg.controller.sync:
+            await self.publish_sync(planner, stop)
+        else:
+            await self.publish_async(planner, stop)
+        self.state = "finished" if self.training_done else "stopped"
+
+    async def publish_async(self, planner: Planner, stop: asyncio.Event) -> None:
+        """Groups as fast as the bounds allow: in flight, per-task lanes, the trainer's backlog."""
         size = self.cfg.controller.group_size
         while not stop.is_set() and not self.training_done:
             self.expire_lost()
-            if (len(self.inflight) + size > max(self.cfg.controller.max_inflight, size)
-                    or await self.backlog_full()):
-                self._capacity.clear()
-                try:
-                    await asyncio.wait_for(self._capacity.wait(), timeout=1.0)
-                except TimeoutError:
-                    pass
+            if len(self.inflight) + size > max(self.cfg.controller.max_inflight, size) or await self.backlog_full():
+                await self._wait_for_news()
                 continue
-            task, task_id = planner.next_group()
-            group_id = f"g{self.groups_published:06d}-{uuid.uuid4().hex[:8]}"
-            for i in range(size):
-                job = EpisodeJob(episode_id=f"{group_id}-{i}", group_id=group_id, task=task, task_id=task_id,
-                                 group_size=size, temperature=self.cfg.controller.temperature,
-                                 max_new_tokens=self.cfg.rollout.max_new_tokens)
-                # retried while a server restarts or a cluster elects a new JOBS leader (no stream response):
-                # the episode id as Nats-Msg-Id keeps a retry whose first try landed from being queued twice
-                await publish_retrying(self.js, self.subjects.jobs(task), encode(job),
-                                       headers={"Nats-Msg-Id": job.episode_id})
-                self.inflight[job.episode_id] = time.time()
-                self.books[task].published += 1
-            self.groups_published += 1
-        self.state = "finished" if self.training_done else "stopped"
+            pick = planner.next_group(self.open_lanes())  # None: every task with room is ahead of its share
+            if pick is None:
+                await self._wait_for_news()
+                continue
+            await self.publish_group(*pick)
+
+    async def publish_sync(self, planner: Planner, stop: asyncio.Event) -> None:
+        """One batch (the ``trainer.min_groups`` groups of one step) at a time, with the newest policy
+        version: publish, wait for every episode, wait for the trainer's step on them, again."""
+        while not stop.is_set() and not self.training_done:
+            step, version = self.trainer_step, await self.newest_policy_version()
+            started = time.monotonic()
+            episodes: list[str] = []
+            for _ in range(self.cfg.trainer.min_groups):
+                pick = planner.next_group()
+                assert pick is not None  # every task eligible: the one owed most is never ahead of its share
+                episodes += await self.publish_group(*pick, policy_version=version)
+            await self._wait_until(lambda batch=episodes: not any(e in self.inflight for e in batch), stop)
+            generated = time.monotonic()
+            await self._wait_until(lambda before=step: self.trainer_step > before or self.training_done, stop)
+            if stop.is_set():
+                return
+            batch = SyncBatch(policy_version=version, episodes=len(episodes), gen_s=generated - started,
+                              train_wait_s=time.monotonic() - generated)
+            self.sync_batches.append(batch)
+            log.info("sync_batch", policy_version=version, episodes=batch.episodes, gen_s=round(batch.gen_s, 2),
+                     train_wait_s=round(batch.train_wait_s, 2))
+
+    async def publish_group(self, task: str, task_id: str, policy_version: int = -1) -> list[str]:
+        """The ``group_size`` jobs of one group (same task instance); their episode ids."""
+        size = self.cfg.controller.group_size
+        group_id = f"g{self.groups_published:06d}-{uuid.uuid4().hex[:8]}"
+        ids = []
+        for i in range(size):
+            job = EpisodeJob(episode_id=f"{group_id}-{i}", group_id=group_id, task=task, task_id=task_id,
+                             group_size=size, temperature=self.cfg.controller.temperature,
+                             max_new_tokens=self.cfg.rollout.max_new_tokens, policy_version=policy_version)
+            # retried while a server restarts or a cluster elects a new JOBS leader (no stream response):
+            # the episode id as Nats-Msg-Id keeps a retry whose first try landed from being queued twice
+            await publish_retrying(self.js, self.subjects.jobs(task), encode(job),
+                                   headers={"Nats-Msg-Id": job.episode_id})
+            self.track(job.episode_id, task)
+            ids.append(job.episode_id)
+        self.groups_published += 1
+        return ids
+
+    def track(self, episode_id: str, task: str) -> None:
+        self.inflight[episode_id] = time.time()
+        self.inflight_task[episode_id] = task
+        self.inflight_by_task[task] += 1
+        self.books[task].published += 1
+
+    def untrack(self, episode_id: str) -> None:
+        self.inflight.pop(episode_id, None)
+        task = self.inflight_task.pop(episode_id, None)
+        if task is not None:
+            self.inflight_by_task[task] -= 1
+
+    def open_lanes(self) -> set[str]:
+        """Tasks with room for one more group under their ``task_max_inflight`` bound."""
+        lanes, size = self.cfg.controller.task_max_inflight, self.cfg.controller.group_size
+        bound = {t: lanes.get(t, lanes.get("*", 0)) for t in self.cfg.controller.tasks}
+        return {t for t, b in bound.items() if not b or self.inflight_by_task[t] + size <= max(b, size)}
+
+    async def newest_policy_version(self) -> int:
+        """The policy KV's version (the trainer writes it before it announces or reports the step)."""
+        try:
+            kv = await self.js.key_value(self.subjects.policy_kv)
+            note = decode((await kv.get(self.subjects.policy_version_key)).value or b"", WeightsAnnouncement)
+            self.policy_version = max(self.policy_version, note.version)
+        except Exception as exc:  # no version yet: the initial weights (version 0)
+            log.debug("policy_version_unread", error=type(exc).__name__)
+        return self.policy_version
+
+    async def _wait_for_news(self) -> None:
+        """Until a trajectory, weights or a trainer report arrives (at most 1 s)."""
+        self._capacity.clear()
+        try:
+            await asyncio.wait_for(self._capacity.wait(), timeout=1.0)
+        except TimeoutError:
+            pass
+
+    async def _wait_until(self, done: Callable[[], bool], stop: asyncio.Event) -> None:
+        while not done() and not stop.is_set():
+            self.expire_lost()
+            await self._wait_for_news()
 
     async def run_eval(self, stop: asyncio.Event) -> dict[str, Any]:
         """Every task of the eval split, once per pass: ``greedy`` (one attempt at temperature 0) and/or
@@ -184,8 +289,7 @@ class Controller:
                                          temperature=temperature[name], max_new_tokens=self.cfg.rollout.max_new_tokens)
                         await publish_retrying(self.js, self.subjects.jobs(task), encode(job),
                                                headers={"Nats-Msg-Id": job.episode_id})
-                        self.inflight[job.episode_id] = time.time()
-                        self.books[task].published += 1
+                        self.track(job.episode_id, task)
         while len(self.inflight) and not stop.is_set():
             await asyncio.sleep(0.5)
         report = eval_report(self.eval_results, samples)
@@ -194,12 +298,7 @@ class Controller:
         return report
 
     async def _wait_for_capacity(self, stop: asyncio.Event) -> None:
-        while len(self.inflight) >= max(self.cfg.controller.max_inflight, 1) and not stop.is_set():
-            self._capacity.clear()
-            try:
-                await asyncio.wait_for(self._capacity.wait(), timeout=1.0)
-            except TimeoutError:
-                pass
+        await self._wait_until(lambda: len(self.inflight) < max(self.cfg.controller.max_inflight, 1), stop)
 
     @property
     def backlog_bound(self) -> float:
@@ -239,7 +338,7 @@ class Controller:
         """Episodes whose jobs ran out of deliveries never report back: free their in-flight slots."""
         cutoff = time.time() - self.cfg.controller.episode_timeout_s
         for episode_id in [e for e, t in self.inflight.items() if t < cutoff]:
-            del self.inflight[episode_id]
+            self.untrack(episode_id)
             self.lost += 1
             log.warning("episode_lost", episode_id=episode_id)
 
@@ -278,7 +377,7 @@ class Controller:
             self.duplicates += 1
             return
         self.finished.add(traj.episode_id)
-        self.inflight.pop(traj.episode_id, None)
+        self.untrack(traj.episode_id)
         self.board.on_trajectory(traj, self.policy_version)
         book = self.books[traj.task]
         book.finished += 1
@@ -373,4 +472,13 @@ class Controller:
             "trainer": next(iter(trainer.values()), {}), "replicas": self.replicas,
             "eval_planned": self.eval_planned,
             "service_restarts": restarts,
+            "inflight_by_task": {t: n for t, n in sorted(self.inflight_by_task.items()) if n},
+            "sync": {"batches": len(self.sync_batches),
+                     "gen_s_mean": _mean([b.gen_s for b in self.sync_batches]),
+                     "train_wait_s_mean": _mean([b.train_wait_s for b in self.sync_batches])}
+            if self.cfg.controller.sync else None,
         }
+
+
+def _mean(values: list[float]) -> float:
+    return round(sum(values) / len(values), 3) if values else 0.0

@@ -65,7 +65,8 @@ async def main(argv: list[str]) -> None:
         stack.callback(watch.cancel)
         js = nc.jetstream()
         await declare_topology(js, subjects, cfg.nats, cfg.controller.heartbeat_ttl_s, role="rollout")
-        worker = RolloutWorker(nc, js, subjects, cfg.rollout, engine, tokenizer, replica_id, model_path)
+        worker = RolloutWorker(nc, js, subjects, cfg.rollout, engine, tokenizer, replica_id, model_path,
+                               tasks=list(cfg.controller.tasks))
         if worker.chat_api is not None:
             stack.push_async_callback(worker.chat_api.close)
         jobs = [worker.report_metrics(), heartbeat_loop(js, subjects, "rollout", replica_id, {

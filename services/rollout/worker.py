@@ -1,6 +1,11 @@
 """The rollout replica: pull an episode job, play it against the env service turn by turn, publish the
 trajectory, then ack the job. Weight announcements swap the engine's weights between turns.
 
+Lanes (``rollout.task_concurrency``): each task pulls from its own consumer into its own slots, so a
+slow task (os, alfworld) cannot take every slot from a fast one; without it, one consumer feeds
+``concurrency`` slots with every task. Synchronous mode: a job naming a policy version waits for this
+replica to load it before its first turn.
+
 Exactly-once bookkeeping: the job is acked only after the trajectory's PubAck (so a replica that
 dies mid-episode has its job redelivered to another replica), and trajectories carry the episode id
 as ``Nats-Msg-Id`` (so a job redelivered after its trajectory was stored is deduplicated by TRAJ).
@@ -14,7 +19,7 @@ import json
 import random
 import time
 import zlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,6 +30,7 @@ from nats.aio.msg import Msg
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from nats.js.errors import BadRequestError
 from nats.micro import add_service
 from nats.micro.request import Request
 
@@ -62,6 +68,7 @@ from shared.subjects import Subjects
 log = structlog.get_logger()
 
 MAX_DELIVER = 5
+OVERLAPPING_CONSUMER = 10100  # JetStream: "filtered consumer not unique on workqueue stream"
 ORACLE_ENGINE_ID = "oracle"
 ORACLE_POLICY_VERSION = -1  # oracle turns come from no policy: for SFT, never for RL ratios
 
@@ -91,8 +98,10 @@ class EpisodeBuffer:
 
 class RolloutWorker:
     def __init__(self, nc: Client, js: JetStreamContext, subjects: Subjects, cfg: RolloutConfig,
-                 engine: Engine | None, tokenizer: Any, replica_id: str, model_path: Path | None = None) -> None:
+                 engine: Engine | None, tokenizer: Any, replica_id: str, model_path: Path | None = None,
+                 tasks: Sequence[str] = ()) -> None:
         self.nc, self.js, self.subjects, self.cfg = nc, js, subjects, cfg
+        self.tasks = list(tasks)  # the run's tasks: one lane each when rollout.task_concurrency is set
         self.model_path = model_path  # the base weights a broadcast LoRA adapter is added to
         self.base_weights: dict[str, Any] | None = None
         self.engine, self.tokenizer, self.replica_id = engine, tokenizer, replica_id
@@ -107,26 +116,58 @@ class RolloutWorker:
         self.episodes_done = 0
         self.active = 0
         self._weights_lock = asyncio.Lock()
+        self._weights_loaded = asyncio.Condition()  # notified after each load (synchronous mode waits on it)
         self._pool_tasks: set[asyncio.Task[None]] = set()
 
     # ------------------------------------------------------------------ jobs
-    async def subscribe_jobs(self) -> JetStreamContext.PullSubscription:
+    def lanes(self) -> dict[str, int]:
+        """Lane -> its slots: one per task with ``task_concurrency``, else ``">"`` (every task) alone."""
+        caps = self.cfg.task_concurrency
+        if not caps:
+            return {">": self.cfg.concurrency}
+        if not self.tasks:
+            raise ValueError("rollout.task_concurrency needs the run's tasks (controller.tasks)")
+        return {task: caps.get(task, caps.get("*", self.cfg.concurrency)) for task in self.tasks}
+
+    def lane_consumer(self, lane: str) -> str:
+        return self.subjects.rollout_consumer if lane == ">" else self.subjects.rollout_lane_consumer(lane)
+
+    async def subscribe_jobs(self, lane: str = ">") -> JetStreamContext.PullSubscription:
+        """The durable consumer of one lane (``">"``: every task's jobs), shared by every replica."""
+        consumer = self.lane_consumer(lane)
         config = ConsumerConfig(
-            durable_name=self.subjects.rollout_consumer, ack_policy=AckPolicy.EXPLICIT,
+            durable_name=consumer, ack_policy=AckPolicy.EXPLICIT,
             ack_wait=self.cfg.job_ack_wait_s, max_deliver=MAX_DELIVER, deliver_policy=DeliverPolicy.ALL,
-            max_ack_pending=-1, filter_subject=self.subjects.jobs(">"),
+            max_ack_pending=-1, filter_subject=self.subjects.jobs(lane),
         )
-        return await self.js.pull_subscribe(self.subjects.jobs(">"), durable=self.subjects.rollout_consumer,
+        return await self.js.pull_subscribe(self.subjects.jobs(lane), durable=consumer,
                                             stream=self.subjects.jobs_stream, config=config)
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Keep ``concurrency`` episodes going; fetch a job only when a slot is free (no hoarding)."""
-        sub = await self.subscribe_jobs()
-        await self.handle_exhausted_jobs()
-        slots = asyncio.Semaphore(self.cfg.concurrency)
+        """Keep every lane's slots busy; fetch a job only when a slot is free (no hoarding)."""
+        lanes = self.lanes()
+        try:
+            subs = {lane: await self.subscribe_jobs(lane) for lane in lanes}
+        except BadRequestError as exc:
+            if exc.err_code != OVERLAPPING_CONSUMER:
+                raise
+            raise RuntimeError(
+                f"JOBS already has a rollout consumer whose subjects overlap these lanes ({list(lanes)}): a run "
+                "uses per-task lanes (rollout.task_concurrency) or one consumer for every task, never both. "
+                f"Delete the old consumers of stream {self.subjects.jobs_stream} or start on a fresh prefix.") from None
+        for lane in lanes:
+            await self.handle_exhausted_jobs(self.lane_consumer(lane))
+        await asyncio.gather(*(self._pull(lane, subs[lane], slots, stop) for lane, slots in lanes.items()))
+
+    async def _pull(self, lane: str, sub: JetStreamContext.PullSubscription, concurrency: int,
+                    stop: asyncio.Event) -> None:
+        slots = asyncio.Semaphore(concurrency)
         tasks: set[asyncio.Task[None]] = set()
         while not stop.is_set():
-            await slots.acquire()
+            try:  # a lane whose every slot is stuck must still see the stop
+                await asyncio.wait_for(slots.acquire(), timeout=1.0)
+            except TimeoutError:
+                continue
             try:
                 msgs = await sub.fetch(1, timeout=1.0)
             except (TimeoutError, NatsTimeout):
@@ -134,7 +175,7 @@ class RolloutWorker:
                 continue
             except Exception as exc:  # broker restarting: wait and retry
                 slots.release()
-                log.warning("job_fetch_failed", error=repr(exc))
+                log.warning("job_fetch_failed", lane=lane, error=repr(exc))
                 await asyncio.sleep(1.0)
                 continue
             task = asyncio.create_task(self._handle(msgs[0]))
@@ -188,11 +229,12 @@ class RolloutWorker:
         except Exception as exc:  # unreachable broker: the job comes back after its ack wait anyway
             log.info("job_nak_failed", error=type(exc).__name__)
 
-    async def handle_exhausted_jobs(self) -> Any:
+    async def handle_exhausted_jobs(self, consumer: str = "") -> Any:
         """A job whose every delivery failed silently (its replica died or stalled each time) would
         vanish and leave its group waiting: on the server's max-deliveries advisory, one replica (a
         queue group) dead-letters it, stores an ``env_error`` trajectory for it and removes it."""
-        subject = self.subjects.max_deliveries_advisory(self.subjects.jobs_stream, self.subjects.rollout_consumer)
+        subject = self.subjects.max_deliveries_advisory(self.subjects.jobs_stream,
+                                                        consumer or self.subjects.rollout_consumer)
 
         async def on_advisory(msg: Msg) -> None:
             try:
@@ -249,6 +291,9 @@ class RolloutWorker:
     async def play(self, job: EpisodeJob, attempt: int, msg: Msg | None = None) -> Trajectory:
         env = self.clients.setdefault(job.task, EnvClient(self.nc, self.subjects, job.task, self.cfg.env_timeout_s))
         session_id = f"{job.episode_id}-a{attempt}"  # a redelivered job opens a fresh session
+        if job.policy_version > self.engine_version():  # synchronous mode: play with that version, not older
+            async with self._touching(msg):
+                await self.wait_for_version(job.policy_version)
         started = time.monotonic()
         opening = await env.start(session_id, job.task_id, job.split, seed=zlib.crc32(job.episode_id.encode()),
                                   timeout_s=self.cfg.env_start_timeout_s)
@@ -325,6 +370,19 @@ class RolloutWorker:
         )
         await self._publish_trajectory(traj)
         return traj
+
+    def engine_version(self) -> int:
+        """The version this replica plays with; an engine that does not follow the trainer (the oracle, a stale
+        or a foreign pool engine) counts as holding any version: it has nothing to wait for."""
+        if self.engine is None or not self.cfg.follow_weights or self.cfg.engine_kind != "current":
+            return 1 << 62
+        return self.engine.policy_version
+
+    async def wait_for_version(self, version: int) -> None:
+        started = time.monotonic()
+        async with self._weights_loaded:
+            await self._weights_loaded.wait_for(lambda: self.engine_version() >= version)
+        log.info("sync_weights_waited", policy_version=version, seconds=round(time.monotonic() - started, 3))
 
     @contextlib.asynccontextmanager
     async def _touching(self, msg: Msg | None) -> AsyncIterator[None]:
@@ -519,6 +577,8 @@ class RolloutWorker:
             elif note.format != "full":
                 raise ValueError(f"weights v{note.version}: unknown format {note.format!r}")
             await self.engine.update_weights(state, note.version)
+            async with self._weights_loaded:
+                self._weights_loaded.notify_all()
             held = time.monotonic()
             log.info("weights_loaded", policy_version=note.version, size=len(data), dtype=note.dtype,
                      read_s=round(received - started, 3), hold_s=round(held - received, 3),
