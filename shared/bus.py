@@ -12,6 +12,7 @@ import socket
 import ssl
 import time
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import nats
@@ -48,6 +49,8 @@ DAY_S = 24 * 3600.0
 
 # When each client last got its connection back (see ``since_reconnect``).
 _RECONNECTED_AT: weakref.WeakKeyDictionary[Client, float] = weakref.WeakKeyDictionary()
+# What to call when a client gets its connection back (see ``on_reconnect``).
+_RECONNECT_LISTENERS: weakref.WeakKeyDictionary[Client, list[Callable[[], None]]] = weakref.WeakKeyDictionary()
 
 # What a publish or request may raise while the server restarts or the client reconnects: worth a retry.
 TRANSIENT = (NatsTimeout, TimeoutError, NoRespondersError, NoStreamResponseError, ServiceUnavailableError,
@@ -88,6 +91,8 @@ async def connect(cfg: NatsConfig, name: str, url: str | None = None, role: str 
         log.info("nats_reconnected")
         if holder:
             _RECONNECTED_AT[holder[0]] = time.monotonic()
+            for listener in _RECONNECT_LISTENERS.get(holder[0], []):
+                listener()
 
     target = url or cfg.url
     if not target:
@@ -119,6 +124,11 @@ async def connect(cfg: NatsConfig, name: str, url: str | None = None, role: str 
 
 class NatsPayloadError(RuntimeError):
     """The server's max_payload is below what JetRL's codec may send."""
+
+
+def on_reconnect(nc: Client, listener: Callable[[], None]) -> None:
+    """Call ``listener`` each time ``nc`` (a client from ``connect``) gets its connection back."""
+    _RECONNECT_LISTENERS.setdefault(nc, []).append(listener)
 
 
 def since_reconnect(nc: Client) -> float:
