@@ -238,7 +238,7 @@ async def run_per_call(args: argparse.Namespace, workdir: Path) -> dict[str, lis
     cfg_path = workdir / "env-per-call.toml"
     save_config(cfg, cfg_path)
     subjects = Subjects(prefix)
-    env_proc = subprocess.Popen([sys.executable, *(["/tmp/h2/envprof.py"] if os.environ.get("ENVPROF") else ["-m", "services.envs"]), "db", "--config", str(cfg_path)], cwd=ROOT,
+    env_proc = subprocess.Popen([sys.executable, "-m", "services.envs", "db", "--config", str(cfg_path)], cwd=ROOT,
                                 stdout=open(workdir / "env-per-call.log", "wb"), stderr=subprocess.STDOUT)
     echo_proc = subprocess.Popen([sys.executable, __file__, "echo", "--url", url, "--subject", f"{prefix}.echo"],
                                  cwd=ROOT, stdout=subprocess.PIPE)

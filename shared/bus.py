@@ -19,7 +19,7 @@ import nats
 import structlog
 from nats.aio.client import Client
 from nats.aio.msg import Msg
-from nats.errors import ConnectionReconnectingError, NoRespondersError, OutboundBufferLimitError
+from nats.errors import ConnectionReconnectingError, MsgAlreadyAckdError, NoRespondersError, OutboundBufferLimitError
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js import JetStreamContext
 from nats.js.api import (
@@ -180,6 +180,64 @@ async def retrying(what: str, call: Any, retry_s: float = 60.0) -> Any:
             log.warning("nats_retry", what=what, error=type(exc).__name__)
             await asyncio.sleep(delay)
             delay = min(delay * 2, 2.0)
+
+
+class Acker:
+    """Acks JetStream messages in the background, each confirmed by the server (``ack_sync``) and retried on
+    a transient failure (no confirmation in time: a busy event loop or server; reconnecting) with backoff
+    for ``retry_s``. The caller goes on at once, and a message whose result is stored is acked even across
+    a server restart. Nothing raises out of it (an ack repeated after one that did land is confirmed
+    again); one given up is logged and counted, and its message is redelivered after its ack wait, which
+    its consumer must deduplicate."""
+
+    def __init__(self, what: str, timeout_s: float = 5.0, retry_s: float = 600.0) -> None:
+        self.what, self.timeout_s, self.retry_s = what, timeout_s, retry_s
+        self.pending: set[asyncio.Task[bool]] = set()
+        self.acked = 0
+        self.retries = 0
+        self.given_up = 0
+
+    def ack(self, msg: Msg, **context: Any) -> asyncio.Task[bool]:
+        """Start acking ``msg``; the task's result says whether the server confirmed it."""
+        task = asyncio.create_task(self._ack(msg, context))
+        self.pending.add(task)
+        task.add_done_callback(self.pending.discard)
+        return task
+
+    async def _ack(self, msg: Msg, context: dict[str, Any]) -> bool:
+        deadline = time.monotonic() + self.retry_s
+        delay = 0.25
+        tries = 0
+        while True:
+            tries += 1
+            try:
+                await msg.ack_sync(timeout=self.timeout_s)
+            except MsgAlreadyAckdError:
+                pass
+            except TRANSIENT as exc:
+                if time.monotonic() + delay > deadline:
+                    self.given_up += 1
+                    log.error("ack_gave_up", what=self.what, tries=tries, error=repr(exc), **context)
+                    return False
+                self.retries += 1
+                log.info("ack_retry", what=self.what, attempt=tries, error=type(exc).__name__, **context)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+                continue
+            except Exception as exc:  # the connection is closed for good: the message comes back after its ack wait
+                self.given_up += 1
+                log.warning("ack_failed", what=self.what, tries=tries, error=repr(exc), **context)
+                return False
+            self.acked += 1
+            return True
+
+    async def drain(self, timeout_s: float = 5.0) -> None:
+        """On shutdown: let the acks under way finish (up to ``timeout_s``), then stop the rest."""
+        if self.pending:
+            await asyncio.wait(set(self.pending), timeout=timeout_s)
+        for task in list(self.pending):
+            task.cancel()
+        await asyncio.gather(*self.pending, return_exceptions=True)
 
 
 async def _ensure_stream(js: JetStreamContext, config: StreamConfig) -> None:
