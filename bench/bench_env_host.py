@@ -41,10 +41,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from shared.bus import connect, declare_topology  # noqa: E402
 from shared.config import JetRLConfig, save_config  # noqa: E402
 from shared.envapi import EnvClient  # noqa: E402
-from shared.lifecycle import run  # noqa: E402
 from shared.messages import EnvCancel, EnvHealth, EnvInteract, EnvStart, EnvStep, decode, encode  # noqa: E402
 from shared.natsd import EmbeddedNats  # noqa: E402
 from shared.subjects import Subjects  # noqa: E402
+
+try:  # the services' event loop (uvloop); a checkout from before it had asyncio's, for a before/after run
+    from shared.lifecycle import run
+except ImportError:
+    from asyncio import run
 
 ROOT = Path(__file__).resolve().parent.parent
 TICKS = os.sysconf("SC_CLK_TCK")
