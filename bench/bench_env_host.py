@@ -78,14 +78,17 @@ def bench_config(url: str, prefix: str, max_sessions: int) -> JetRLConfig:
     return cfg
 
 
-async def wait_for_replicas(nc: Any, subjects: Subjects, count: int, timeout_s: float = 120.0) -> None:
-    """Until ``count`` env replicas answer a health request (every replica answers one)."""
+async def wait_for_replicas(nc: Any, subjects: Subjects, count: int, timeout_s: float = 120.0) -> list[EnvHealth]:
+    """Until ``count`` env replicas answer a health request (every replica answers one): their answers."""
     deadline = time.monotonic() + timeout_s
     inbox = nc.new_inbox()
-    replies: set[str] = set()
+    replies: dict[str, EnvHealth] = {}
 
     async def on_reply(msg: Any) -> None:
-        replies.add(decode(msg.data, EnvHealth).replica_id)
+        if not msg.data:  # "no responders" while no replica is up yet
+            return
+        health = decode(msg.data, EnvHealth)
+        replies[health.replica_id] = health
 
     sub = await nc.subscribe(inbox, cb=on_reply)
     try:
@@ -96,6 +99,7 @@ async def wait_for_replicas(nc: Any, subjects: Subjects, count: int, timeout_s: 
             await asyncio.sleep(0.5)
     finally:
         await sub.unsubscribe()
+    return list(replies.values())
 
 
 # ---------------------------------------------------------------------------------------------- scale
@@ -147,13 +151,25 @@ async def drive(url: str, prefix: str, live: int, start_at: float, measure_s: fl
     return {"done": done[0], "starts": starts, "interacts": interacts, "errors": errors}
 
 
-async def run_scale(live: int, replicas: int, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+def checkout_env(root: Path) -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(root)}
+
+
+def save_for(cfg: JetRLConfig, path: Path, root: Path) -> None:
+    """The config as ``root``'s checkout reads it: keys it does not know yet are left out."""
+    save_config(cfg, path)
+    known = (root / "shared" / "config.py").read_text()
+    path.write_text("".join(line for line in path.read_text().splitlines(keepends=True)
+                            if "=" not in line or line.split("=")[0].strip() + ":" in known))
+
+
+async def run_scale(live: int, replicas: int, args: argparse.Namespace, workdir: Path, root: Path) -> dict[str, Any]:
     server = EmbeddedNats(workdir / f"nats-{live}-{replicas}")
     url = server.start()
     prefix = f"bh{uuid.uuid4().hex[:6]}"
     cfg = bench_config(url, prefix, live + 64)  # a replica may get more than its even share of starts
     cfg_path = workdir / f"env-{live}-{replicas}.toml"
-    save_config(cfg, cfg_path)
+    save_for(cfg, cfg_path, root)
     subjects = Subjects(prefix)
     envs: list[subprocess.Popen[bytes]] = []
     drivers: list[subprocess.Popen[bytes]] = []
@@ -163,20 +179,21 @@ async def run_scale(live: int, replicas: int, args: argparse.Namespace, workdir:
         for r in range(replicas):
             log = open(workdir / f"env-{live}-{replicas}-{r}.log", "wb")
             envs.append(subprocess.Popen([sys.executable, "-m", "services.envs", "db", "--config", str(cfg_path)],
-                                         cwd=ROOT, stdout=log, stderr=subprocess.STDOUT))
+                                         cwd=root, env=checkout_env(root), stdout=log, stderr=subprocess.STDOUT))
         await wait_for_replicas(nc, subjects, replicas)
         start_at = time.time() + args.warmup_s
         for d in range(replicas):
             share = live // replicas + (d < live % replicas)
             drivers.append(subprocess.Popen(
-                [sys.executable, __file__, "drive", "--url", url, "--prefix", prefix, "--live", str(share),
-                 "--start-at", str(start_at), "--measure-s", str(args.measure_s), "--seed", str(d)],
-                cwd=ROOT, stdout=subprocess.PIPE))
+                [sys.executable, str(root / "bench" / "bench_env_host.py"), "drive", "--url", url, "--prefix", prefix,
+                 "--live", str(share), "--start-at", str(start_at), "--measure-s", str(args.measure_s), "--seed", str(d)],
+                cwd=root, env=checkout_env(root), stdout=subprocess.PIPE))
         await asyncio.sleep(max(0.0, start_at - time.time()))
         pids = [p.pid for p in envs] + [server.proc.pid]
         cpu0 = [cpu_s(pid) for pid in pids]
         await asyncio.sleep(args.measure_s)
         cpu1 = [cpu_s(pid) for pid in pids]
+        healths = await wait_for_replicas(nc, subjects, replicas)  # each replica's own interact times
         results = []
         for p in drivers:
             out, _ = await asyncio.to_thread(p.communicate, timeout=300)
@@ -201,9 +218,11 @@ async def run_scale(live: int, replicas: int, args: argparse.Namespace, workdir:
         for k, v in r["errors"].items():
             errors[k] = errors.get(k, 0) + v
     env_cpu = sum(b - a for a, b in zip(cpu0[:-1], cpu1[:-1], strict=True)) / args.measure_s
-    return {"live": live, "replicas": replicas, "episodes_per_s": sum(r["done"] for r in results) / args.measure_s,
+    return {"checkout": str(root), "live": live, "replicas": replicas, "episodes_per_s": sum(r["done"] for r in results) / args.measure_s,
             "start_p50": pct(starts, 0.5), "start_p99": pct(starts, 0.99),
             "interact_p50": pct(interacts, 0.5), "interact_p99": pct(interacts, 0.99),
+            "host_interact_p50": statistics.mean(h.interact_ms_p50 for h in healths) / 1000,
+            "host_interact_p99": max(h.interact_ms_p99 for h in healths) / 1000,
             "env_cpu": env_cpu, "nats_cpu": (cpu1[-1] - cpu0[-1]) / args.measure_s,
             "errors": errors, "exit_codes": exits, "shutdown_s": shutdown_s}
 
@@ -213,20 +232,28 @@ def scale(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory(prefix="bench-env-host-") as tmp:
         for replicas in args.replicas:
             for live in args.live:
-                r = run(run_scale(live, replicas, args, Path(tmp)))
-                rows.append(r)
-                print(json.dumps(r), file=sys.stderr, flush=True)
-    base = {r["replicas"]: r["episodes_per_s"] for r in rows if r["live"] == min(args.live)}
-    one = {r["live"]: r["episodes_per_s"] for r in rows if r["replicas"] == 1}
+                for root in args.checkouts:  # side by side: a neighbour's load hits each checkout alike
+                    r = run(run_scale(live, replicas, args, Path(tmp), root))
+                    rows.append(r)
+                    print(json.dumps(r), file=sys.stderr, flush=True)
+    base = {(r["checkout"], r["replicas"]): r["episodes_per_s"] for r in rows if r["live"] == min(args.live)}
+    one = {(r["checkout"], r["live"]): r["episodes_per_s"] for r in rows if r["replicas"] == 1}
     print(f"\n# env host, db (SQLite), oracle episodes, {args.warmup_s:g} s warm-up, {args.measure_s:g} s measured\n")
-    print("| env replicas | live episodes | episodes/s | vs fewest live | vs one replica | start p50 / p99 (ms) | "
-          "interact p50 / p99 (ms) | env CPU (cores) | nats-server CPU | errors | exit codes (SIGTERM, sessions open) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| checkout | env replicas | live episodes | episodes/s | vs fewest live | vs one replica | start p50 / p99 (ms) | "
+          "interact round trip p50 / p99 (ms) | interact in the env host p50 / p99 (ms) | env CPU (cores) | "
+          "nats-server CPU | errors | exit codes (SIGTERM, sessions open) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        vs_one = f"{r['episodes_per_s'] / one[r['live']]:.2f}x" if r["live"] in one else "-"
-        print(f"| {r['replicas']} | {r['live']:,} | {r['episodes_per_s']:.0f} | "
-              f"{r['episodes_per_s'] / base[r['replicas']]:.0%} | {vs_one} | {ms(r['start_p50'])} / {ms(r['start_p99'])} | "
-              f"{ms(r['interact_p50'])} / {ms(r['interact_p99'])} | {r['env_cpu']:.2f} | {r['nats_cpu']:.2f} | "
+        key = (r["checkout"], r["live"])
+        vs_one = f"{r['episodes_per_s'] / one[key]:.2f}x" if one.get(key) else "-"
+        few = base.get((r["checkout"], r["replicas"]))
+        vs_few = f"{r['episodes_per_s'] / few:.0%}" if few else "-"
+        host = (f"{ms(r['host_interact_p50'])} / {ms(r['host_interact_p99'])}" if r["host_interact_p99"]
+                else "- (not measured by this checkout)")
+        print(f"| {Path(r['checkout']).name} | {r['replicas']} | {r['live']:,} | {r['episodes_per_s']:.0f} | "
+              f"{vs_few} | {vs_one} | {ms(r['start_p50'])} / {ms(r['start_p99'])} | "
+              f"{ms(r['interact_p50'])} / {ms(r['interact_p99'])} | "
+              f"{host} | {r['env_cpu']:.2f} | {r['nats_cpu']:.2f} | "
               f"{sum(r['errors'].values()) or 0} | {', '.join(map(str, r['exit_codes']))} ({r['shutdown_s']:.1f} s) |")
 
 
@@ -349,6 +376,8 @@ def main() -> None:
     s.add_argument("--replicas", type=lambda v: [int(x) for x in v.split(",")], default=[1, 2])
     s.add_argument("--warmup-s", type=float, default=10.0)
     s.add_argument("--measure-s", type=float, default=20.0)
+    s.add_argument("--checkouts", type=lambda v: [Path(x).resolve() for x in v.split(",")], default=[ROOT],
+                   help="source trees to run side by side (e.g. a checkout of an older commit, for before/after)")
     p = sub.add_parser("per-call")
     p.add_argument("--calls", type=int, default=3000)
     d = sub.add_parser("drive")  # internal: one driver process of ``scale``

@@ -18,7 +18,7 @@ import concurrent.futures
 import functools
 import json
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -168,6 +168,7 @@ class EnvHost:
         self._tasks: set[asyncio.Task[None]] = set()
         self._closing_tasks: set[asyncio.Task[None]] = set()  # frees of sessions whose tool still runs
         self.pool = WorkerPool(cfg.worker_threads)
+        self.interact_s: deque[float] = deque(maxlen=10_000)  # recent interact answer times, for health
         self.stopping = False
         self.js: JetStreamContext | None = None
         # The last replies of start / interact (per turn) / cancel: a request resent after a NATS reconnect
@@ -192,15 +193,20 @@ class EnvHost:
         await service.add_endpoint(name="tasks", subject=s.env_tasks(t), handler=self._spawn(self.tasks))
         await service.add_endpoint(name="health", subject=s.env_health(t), handler=self._spawn(self.health),
                                    queue_group=f"health-{r}")  # every replica answers a health request
-        await service.add_endpoint(name="interact", subject=s.env_interact(t, r), handler=self._spawn(self.interact))
+        await service.add_endpoint(name="interact", subject=s.env_interact(t, r),
+                                   handler=self._spawn(self.interact, timed=self.interact_s))
         await service.add_endpoint(name="cancel", subject=s.env_cancel(t, r), handler=self._spawn(self.cancel))
         await service.add_endpoint(name="oracle", subject=s.env_oracle(t, r), handler=self._spawn(self.oracle))
         return service
 
-    def _spawn(self, handler: Callable[[bytes], Awaitable[bytes]]) -> Callable[[Request], Awaitable[None]]:
+    def _spawn(self, handler: Callable[[bytes], Awaitable[bytes]],
+               timed: deque[float] | None = None) -> Callable[[Request], Awaitable[None]]:
         async def run(request: Request) -> None:
+            started = time.perf_counter()
             try:
                 await request.respond(await handler(request.data))
+                if timed is not None:
+                    timed.append(time.perf_counter() - started)
             except BadMessage as exc:
                 await request.respond_error(str(exc.code), exc.reason)
                 if self.js is not None:
@@ -366,9 +372,12 @@ class EnvHost:
         counts: dict[str, int] = {}
         for split in ("train", "test"):
             counts[split] = len(self.env.task_ids(split))
+        recent = sorted(self.interact_s)
+        p50, p99 = (1000 * recent[int(q * (len(recent) - 1))] if recent else 0.0 for q in (0.5, 0.99))
         return encode(EnvHealth(replica_id=self.replica_id, task=self.task, sessions=len(self.sessions),
                                 max_sessions=self.cfg.max_sessions, sessions_started=self.sessions_started,
-                                uptime_s=time.monotonic() - self.started_at, task_counts=counts))
+                                uptime_s=time.monotonic() - self.started_at, task_counts=counts,
+                                interact_ms_p50=p50, interact_ms_p99=p99))
 
     # ------------------------------------------------------------------ lifecycle
     async def _close(self, session: Session, status: str) -> None:
