@@ -103,8 +103,10 @@ async def wait_for_replicas(nc: Any, subjects: Subjects, count: int, timeout_s: 
 
 
 # ---------------------------------------------------------------------------------------------- scale
-async def drive(url: str, prefix: str, live: int, start_at: float, measure_s: float, seed: int) -> dict[str, Any]:
-    """Keep ``live`` oracle episodes open until the window ends; the figures of the window only."""
+async def drive(url: str, prefix: str, live: int, start_at: float, measure_s: float, seed: int,
+                think_s: float = 0.0) -> dict[str, Any]:
+    """Keep ``live`` oracle episodes open until the window ends; the figures of the window only. With
+    ``think_s`` each turn first waits that long on average (a policy generating its turn)."""
     cfg = bench_config(url, prefix, live)
     nc = await connect(cfg.nats, f"driver-{seed}")
     client = EnvClient(nc, Subjects(prefix), "db", timeout_s=120.0)
@@ -114,6 +116,8 @@ async def drive(url: str, prefix: str, live: int, start_at: float, measure_s: fl
     starts: list[float] = []
     interacts: list[float] = []
     done = [0]
+    turns_in_window = [0]
+    episode_turns: list[int] = []
     errors: dict[str, int] = {}
 
     async def player(i: int) -> None:
@@ -127,12 +131,16 @@ async def drive(url: str, prefix: str, live: int, start_at: float, measure_s: fl
                 if time.time() >= start_at:
                     starts.append(time.perf_counter() - t0)
                 for turn in range(opened.max_turns):
+                    if think_s:
+                        await asyncio.sleep(think_s * rng.uniform(0.5, 1.5))
                     action = await client.oracle(opened.replica_id, sid)
                     t0 = time.perf_counter()
                     step = await client.interact(opened.replica_id, sid, action, turn=turn)
-                    if time.time() >= start_at:
+                    if start_at <= time.time() < end_at:
                         interacts.append(time.perf_counter() - t0)
+                        turns_in_window[0] += 1
                     if step.finish:
+                        episode_turns.append(turn + 1)
                         break
             except Exception as exc:  # counted and reported: a healthy host has none
                 errors[type(exc).__name__] = errors.get(type(exc).__name__, 0) + 1
@@ -141,14 +149,18 @@ async def drive(url: str, prefix: str, live: int, start_at: float, measure_s: fl
             if start_at <= time.time() < end_at:
                 done[0] += 1
 
-    # ramp up over a second: thousands of starts in one instant measure the burst, not the steady state
+    # ramp up over most of the warm-up: thousands of starts in one instant measure the burst, and episodes
+    # started together finish together, in waves, long after
+    ramp_s = 0.8 * max(0.0, start_at - time.time())
+
     async def staggered(i: int) -> None:
-        await asyncio.sleep(i / live)
+        await asyncio.sleep(ramp_s * i / live)
         await player(i)
 
     await asyncio.gather(*(staggered(i) for i in range(live)))
     await nc.close()
-    return {"done": done[0], "starts": starts, "interacts": interacts, "errors": errors}
+    return {"done": done[0], "turns": turns_in_window[0], "episode_turns": episode_turns, "starts": starts,
+            "interacts": interacts, "errors": errors}
 
 
 def checkout_env(root: Path) -> dict[str, str]:
@@ -186,7 +198,8 @@ async def run_scale(live: int, replicas: int, args: argparse.Namespace, workdir:
             share = live // replicas + (d < live % replicas)
             drivers.append(subprocess.Popen(
                 [sys.executable, str(root / "bench" / "bench_env_host.py"), "drive", "--url", url, "--prefix", prefix,
-                 "--live", str(share), "--start-at", str(start_at), "--measure-s", str(args.measure_s), "--seed", str(d)],
+                 "--live", str(share), "--start-at", str(start_at), "--measure-s", str(args.measure_s), "--seed", str(d),
+                 *(["--think-s", str(args.think_s)] if args.think_s else [])],
                 cwd=root, env=checkout_env(root), stdout=subprocess.PIPE))
         await asyncio.sleep(max(0.0, start_at - time.time()))
         pids = [p.pid for p in envs] + [server.proc.pid]
@@ -217,8 +230,12 @@ async def run_scale(live: int, replicas: int, args: argparse.Namespace, workdir:
     for r in results:
         for k, v in r["errors"].items():
             errors[k] = errors.get(k, 0) + v
+    # episodes/s from the turns played in the window (an episode of the db oracle is 2 turns): counting only
+    # the episodes that end inside it would quantise to whole waves when an episode lasts about the window
+    turns_per_episode = statistics.mean(t for r in results for t in r["episode_turns"])
     env_cpu = sum(b - a for a, b in zip(cpu0[:-1], cpu1[:-1], strict=True)) / args.measure_s
-    return {"checkout": str(root), "live": live, "replicas": replicas, "episodes_per_s": sum(r["done"] for r in results) / args.measure_s,
+    return {"checkout": str(root), "live": live, "replicas": replicas, "episodes_per_s": sum(r["turns"] for r in results) / turns_per_episode / args.measure_s,
+            "episodes_ended_per_s": sum(r["done"] for r in results) / args.measure_s,
             "start_p50": pct(starts, 0.5), "start_p99": pct(starts, 0.99),
             "interact_p50": pct(interacts, 0.5), "interact_p99": pct(interacts, 0.99),
             "host_interact_p50": statistics.mean(h.interact_ms_p50 for h in healths) / 1000,
@@ -238,7 +255,8 @@ def scale(args: argparse.Namespace) -> None:
                     print(json.dumps(r), file=sys.stderr, flush=True)
     base = {(r["checkout"], r["replicas"]): r["episodes_per_s"] for r in rows if r["live"] == min(args.live)}
     one = {(r["checkout"], r["live"]): r["episodes_per_s"] for r in rows if r["replicas"] == 1}
-    print(f"\n# env host, db (SQLite), oracle episodes, {args.warmup_s:g} s warm-up, {args.measure_s:g} s measured\n")
+    print(f"\n# env host, db (SQLite), oracle episodes, {args.warmup_s:g} s warm-up, {args.measure_s:g} s measured, "
+          f"think time {args.think_s:g} s per turn\n")
     print("| checkout | env replicas | live episodes | episodes/s | vs fewest live | vs one replica | start p50 / p99 (ms) | "
           "interact round trip p50 / p99 (ms) | interact in the env host p50 / p99 (ms) | env CPU (cores) | "
           "nats-server CPU | errors | exit codes (SIGTERM, sessions open) |")
@@ -376,6 +394,8 @@ def main() -> None:
     s.add_argument("--replicas", type=lambda v: [int(x) for x in v.split(",")], default=[1, 2])
     s.add_argument("--warmup-s", type=float, default=10.0)
     s.add_argument("--measure-s", type=float, default=20.0)
+    s.add_argument("--think-s", type=float, default=0.0,
+                   help="mean wait before each turn (a policy generating it); 0 = as fast as the env answers")
     s.add_argument("--checkouts", type=lambda v: [Path(x).resolve() for x in v.split(",")], default=[ROOT],
                    help="source trees to run side by side (e.g. a checkout of an older commit, for before/after)")
     p = sub.add_parser("per-call")
@@ -387,6 +407,7 @@ def main() -> None:
     d.add_argument("--start-at", type=float)
     d.add_argument("--measure-s", type=float)
     d.add_argument("--seed", type=int)
+    d.add_argument("--think-s", type=float, default=0.0)
     e = sub.add_parser("echo")  # internal: the bare responder of ``per-call``
     e.add_argument("--url")
     e.add_argument("--subject")
@@ -399,7 +420,8 @@ def main() -> None:
         from shared.log import setup_logging
 
         setup_logging("bench-driver", level="warning")
-        print(json.dumps(run(drive(args.url, args.prefix, args.live, args.start_at, args.measure_s, args.seed))))
+        print(json.dumps(run(drive(args.url, args.prefix, args.live, args.start_at, args.measure_s, args.seed,
+                                   args.think_s))))
     else:
         run(echo_responder(args.url, args.subject))
 
