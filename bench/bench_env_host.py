@@ -199,8 +199,9 @@ async def run_scale(live: int, replicas: int, args: argparse.Namespace, workdir:
             drivers.append(subprocess.Popen(
                 [sys.executable, str(root / "bench" / "bench_env_host.py"), "drive", "--url", url, "--prefix", prefix,
                  "--live", str(share), "--start-at", str(start_at), "--measure-s", str(args.measure_s), "--seed", str(d),
+                 "--out", str(workdir / f"driver-{live}-{replicas}-{d}.json"),
                  *(["--think-s", str(args.think_s)] if args.think_s else [])],
-                cwd=root, env=checkout_env(root), stdout=subprocess.PIPE))
+                cwd=root, env=checkout_env(root)))
         await asyncio.sleep(max(0.0, start_at - time.time()))
         pids = [p.pid for p in envs] + [server.proc.pid]
         cpu0 = [cpu_s(pid) for pid in pids]
@@ -208,9 +209,9 @@ async def run_scale(live: int, replicas: int, args: argparse.Namespace, workdir:
         cpu1 = [cpu_s(pid) for pid in pids]
         healths = await wait_for_replicas(nc, subjects, replicas)  # each replica's own interact times
         results = []
-        for p in drivers:
-            out, _ = await asyncio.to_thread(p.communicate, timeout=300)
-            results.append(json.loads(out.decode().strip().splitlines()[-1]))
+        for d, p in enumerate(drivers):
+            await asyncio.to_thread(p.wait, 300)
+            results.append(json.loads((workdir / f"driver-{live}-{replicas}-{d}.json").read_text()))
         # shutdown with sessions open: the drivers stopped mid-episode, so every replica still holds some
         t0 = time.monotonic()
         for p in envs:
@@ -408,6 +409,7 @@ def main() -> None:
     d.add_argument("--measure-s", type=float)
     d.add_argument("--seed", type=int)
     d.add_argument("--think-s", type=float, default=0.0)
+    d.add_argument("--out", type=Path)
     e = sub.add_parser("echo")  # internal: the bare responder of ``per-call``
     e.add_argument("--url")
     e.add_argument("--subject")
@@ -420,8 +422,8 @@ def main() -> None:
         from shared.log import setup_logging
 
         setup_logging("bench-driver", level="warning")
-        print(json.dumps(run(drive(args.url, args.prefix, args.live, args.start_at, args.measure_s, args.seed,
-                                   args.think_s))))
+        result = run(drive(args.url, args.prefix, args.live, args.start_at, args.measure_s, args.seed, args.think_s))
+        args.out.write_text(json.dumps(result))
     else:
         run(echo_responder(args.url, args.subject))
 
