@@ -11,13 +11,14 @@ import socket
 import ssl
 import time
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import nats
 import structlog
 from nats.aio.client import Client
 from nats.aio.msg import Msg
-from nats.errors import ConnectionReconnectingError, NoRespondersError, OutboundBufferLimitError
+from nats.errors import ConnectionReconnectingError, MsgAlreadyAckdError, NoRespondersError, OutboundBufferLimitError
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js import JetStreamContext
 from nats.js.api import (
@@ -48,6 +49,8 @@ DAY_S = 24 * 3600.0
 
 # When each client last got its connection back (see ``since_reconnect``).
 _RECONNECTED_AT: weakref.WeakKeyDictionary[Client, float] = weakref.WeakKeyDictionary()
+# What to call when a client gets its connection back (see ``on_reconnect``).
+_RECONNECT_LISTENERS: weakref.WeakKeyDictionary[Client, list[Callable[[], None]]] = weakref.WeakKeyDictionary()
 
 # What a publish or request may raise while the server restarts or the client reconnects: worth a retry.
 TRANSIENT = (NatsTimeout, TimeoutError, NoRespondersError, NoStreamResponseError, ServiceUnavailableError,
@@ -88,6 +91,8 @@ async def connect(cfg: NatsConfig, name: str, url: str | None = None, role: str 
         log.info("nats_reconnected")
         if holder:
             _RECONNECTED_AT[holder[0]] = time.monotonic()
+            for listener in _RECONNECT_LISTENERS.get(holder[0], []):
+                listener()
 
     target = url or cfg.url
     if not target:
@@ -120,6 +125,11 @@ async def connect(cfg: NatsConfig, name: str, url: str | None = None, role: str 
 
 class NatsPayloadError(RuntimeError):
     """The server's max_payload is below what JetRL's codec may send."""
+
+
+def on_reconnect(nc: Client, listener: Callable[[], None]) -> None:
+    """Call ``listener`` each time ``nc`` (a client from ``connect``) gets its connection back."""
+    _RECONNECT_LISTENERS.setdefault(nc, []).append(listener)
 
 
 def since_reconnect(nc: Client) -> float:
@@ -171,6 +181,64 @@ async def retrying(what: str, call: Any, retry_s: float = 60.0) -> Any:
             log.warning("nats_retry", what=what, error=type(exc).__name__)
             await asyncio.sleep(delay)
             delay = min(delay * 2, 2.0)
+
+
+class Acker:
+    """Acks JetStream messages in the background, each confirmed by the server (``ack_sync``) and retried on
+    a transient failure (no confirmation in time: a busy event loop or server; reconnecting) with backoff
+    for ``retry_s``. The caller goes on at once, and a message whose result is stored is acked even across
+    a server restart. Nothing raises out of it (an ack repeated after one that did land is confirmed
+    again); one given up is logged and counted, and its message is redelivered after its ack wait, which
+    its consumer must deduplicate."""
+
+    def __init__(self, what: str, timeout_s: float = 5.0, retry_s: float = 600.0) -> None:
+        self.what, self.timeout_s, self.retry_s = what, timeout_s, retry_s
+        self.pending: set[asyncio.Task[bool]] = set()
+        self.acked = 0
+        self.retries = 0
+        self.given_up = 0
+
+    def ack(self, msg: Msg, **context: Any) -> asyncio.Task[bool]:
+        """Start acking ``msg``; the task's result says whether the server confirmed it."""
+        task = asyncio.create_task(self._ack(msg, context))
+        self.pending.add(task)
+        task.add_done_callback(self.pending.discard)
+        return task
+
+    async def _ack(self, msg: Msg, context: dict[str, Any]) -> bool:
+        deadline = time.monotonic() + self.retry_s
+        delay = 0.25
+        tries = 0
+        while True:
+            tries += 1
+            try:
+                await msg.ack_sync(timeout=self.timeout_s)
+            except MsgAlreadyAckdError:
+                pass
+            except TRANSIENT as exc:
+                if time.monotonic() + delay > deadline:
+                    self.given_up += 1
+                    log.error("ack_gave_up", what=self.what, tries=tries, error=repr(exc), **context)
+                    return False
+                self.retries += 1
+                log.info("ack_retry", what=self.what, attempt=tries, error=type(exc).__name__, **context)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+                continue
+            except Exception as exc:  # the connection is closed for good: the message comes back after its ack wait
+                self.given_up += 1
+                log.warning("ack_failed", what=self.what, tries=tries, error=repr(exc), **context)
+                return False
+            self.acked += 1
+            return True
+
+    async def drain(self, timeout_s: float = 5.0) -> None:
+        """On shutdown: let the acks under way finish (up to ``timeout_s``), then stop the rest."""
+        if self.pending:
+            await asyncio.wait(set(self.pending), timeout=timeout_s)
+        for task in list(self.pending):
+            task.cancel()
+        await asyncio.gather(*self.pending, return_exceptions=True)
 
 
 async def _ensure_stream(js: JetStreamContext, config: StreamConfig) -> None:

@@ -189,6 +189,9 @@ class EnvConfig:
 
     task: str = opt("db", "which task this env replica serves")
     max_sessions: int = opt(64, "open sessions per replica; start is refused (503) beyond it")
+    worker_threads: int = opt(32, "threads that run tool calls (and episode opens and closes) for all of a "
+                                  "replica's sessions; a session's calls still run one at a time, in order. "
+                                  "A call past action_timeout_s gives its slot back while its thread finishes")
     session_timeout_s: float = opt(600.0, "an idle session is closed after this many seconds")
     action_timeout_s: float = opt(10.0, "wall-clock limit for one tool call")
     max_observation_chars: int = opt(800, "tool output beyond this is cut (and the cut stated); webshop and "
@@ -598,6 +601,8 @@ def validate(cfg: JetRLConfig) -> None:
             raise ConfigError(f"{key} maps tasks ({', '.join(TASKS)}, or '*') to at least 1, got {lanes}")
     if cfg.run.log_format not in ("console", "json"):
         raise ConfigError("run.log_format must be console or json")
+    if cfg.env.worker_threads < 1 or cfg.env.max_sessions < 1:
+        raise ConfigError("env.worker_threads and env.max_sessions must be >= 1")
 
 
 def save_config(cfg: JetRLConfig, path: str | os.PathLike[str]) -> None:

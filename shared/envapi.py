@@ -6,14 +6,17 @@ Any agent, not only JetRL's rollout service, can drive an env service with this 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
+import weakref
 from typing import Any
 
 from nats.aio.client import Client
+from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 
-from shared.bus import connection_disrupted
+from shared.bus import connection_disrupted, on_reconnect
 from shared.messages import (
     EnvCancel,
     EnvHealth,
@@ -48,9 +51,73 @@ class _Resend(Exception):
     """The connection came back while a request waited: send it again."""
 
 
+NO_RESPONDERS_STATUS = "503"
+
+
+class _Replies:
+    """Every env request of one connection and their replies: one wildcard reply subscription, a future per
+    request (what ``nc.request`` does too). Unlike ``nc.request`` it fails the requests still waiting when
+    the connection comes back (``_Resend``: their replies were lost with it), so they are sent again at
+    once rather than after their timeout, without a watcher task per request (an env call's cost is
+    counted in tenths of a millisecond: docs/benchmarks/env_host.md). For a client that did not come from
+    ``shared.bus.connect`` the resend waits for the timeout instead."""
+
+    def __init__(self, nc: Client) -> None:
+        self.nc = weakref.proxy(nc)  # kept per client in a weak mapping: must not keep its client alive
+        self.prefix = nc.new_inbox()  # under the role's inbox prefix (shared/auth.py)
+        self.tokens = itertools.count()
+        self.waiting: dict[str, asyncio.Future[Msg]] = {}
+        self.subscribed: asyncio.Future[None] | None = None
+        on_reconnect(nc, self.resend_waiting)
+
+    async def request(self, subject: str, payload: bytes, timeout: float) -> Msg:
+        if self.subscribed is None or (self.subscribed.done() and self.subscribed.exception() is not None):
+            self.subscribed = asyncio.ensure_future(self._subscribe())
+        await asyncio.shield(self.subscribed)
+        token = str(next(self.tokens))
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Msg] = loop.create_future()
+        self.waiting[token] = future
+        expiry = loop.call_later(timeout, _expire, future)
+        try:
+            await self.nc.publish(subject, payload, reply=f"{self.prefix}.{token}")
+            reply = await future
+        finally:
+            expiry.cancel()
+            self.waiting.pop(token, None)
+        if not reply.data and reply.headers and reply.headers.get("Status") == NO_RESPONDERS_STATUS:
+            raise NoRespondersError
+        return reply
+
+    async def _subscribe(self) -> None:
+        await self.nc.subscribe(f"{self.prefix}.*", cb=self._on_reply)
+
+    async def _on_reply(self, msg: Msg) -> None:
+        future = self.waiting.get(msg.subject[len(self.prefix) + 1:])
+        if future is not None and not future.done():
+            future.set_result(msg)
+
+    def resend_waiting(self) -> None:
+        for future in self.waiting.values():
+            if not future.done():
+                future.set_exception(_Resend())
+
+
+def _expire(future: asyncio.Future[Msg]) -> None:
+    if not future.done():
+        future.set_exception(NatsTimeout())
+
+
+_REPLIES: weakref.WeakKeyDictionary[Client, _Replies] = weakref.WeakKeyDictionary()
+
+
 class EnvClient:
     def __init__(self, nc: Client, subjects: Subjects, task: str, timeout_s: float = 30.0) -> None:
         self.nc, self.subjects, self.task, self.timeout_s = nc, subjects, task, timeout_s
+        replies = _REPLIES.get(nc)
+        if replies is None:  # one reply subscription per connection, however many clients use it
+            replies = _REPLIES[nc] = _Replies(nc)
+        self.replies = replies
 
     async def _request(self, subject: str, payload: bytes, timeout_s: float | None = None) -> bytes:
         """One request; resent while our own connection is disrupted (a NATS restart: the request or its
@@ -61,7 +128,7 @@ class EnvClient:
         while True:
             reconnects = self.nc.stats["reconnects"]
             try:
-                reply = await self._request_once(subject, payload, timeout, reconnects)
+                reply = await self.replies.request(subject, payload, timeout)
                 break
             except NoRespondersError:
                 if connection_disrupted(self.nc, reconnects) and time.monotonic() < deadline:
@@ -78,21 +145,6 @@ class EnvClient:
         if ERROR_CODE_HEADER in headers:
             raise EnvError(headers[ERROR_CODE_HEADER], headers.get(ERROR_HEADER, ""))
         return reply.data
-
-    async def _request_once(self, subject: str, payload: bytes, timeout: float, reconnects: int) -> Any:
-        """``nc.request``, given up early (``_Resend``) when the connection drops and comes back while we
-        wait: the reply to a request sent before a server restart never comes."""
-        task = asyncio.ensure_future(self.nc.request(subject, payload, timeout=timeout))
-        try:
-            while True:
-                done, _ = await asyncio.wait({task}, timeout=0.25)
-                if done:
-                    return task.result()
-                if self.nc.stats["reconnects"] != reconnects and self.nc.is_connected:
-                    raise _Resend()
-        finally:
-            if not task.done():
-                task.cancel()
 
     async def start(self, session_id: str, task_id: str, split: str = "train", seed: int = 0,
                     timeout_s: float | None = None) -> EnvStarted:

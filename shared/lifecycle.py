@@ -9,6 +9,8 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Coroutine
+from typing import Any, TypeVar
 
 import structlog
 from nats.aio.client import Client
@@ -16,6 +18,21 @@ from nats.aio.client import Client
 log = structlog.get_logger()
 
 EXIT_ON_SIGNAL = 128 + signal.SIGTERM  # what a shell reports for a process ended by SIGTERM
+
+
+T = TypeVar("T")
+
+
+def run(main: Coroutine[Any, Any, T]) -> T:
+    """Run a service's main coroutine on uvloop, libuv's event loop: every NATS round trip, task and
+    thread hand-off costs about half of what it does on asyncio's own loop (an env call: see
+    docs/benchmarks/env_host.md). Falls back to asyncio's loop where uvloop is not installed."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(main)
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(main)
 
 
 def install_stop(stop: asyncio.Event, grace_s: float = 8.0) -> None:

@@ -166,6 +166,10 @@ class EnvHealth(Message, tag="env_health", kw_only=True):
     sessions_started: int
     uptime_s: float
     task_counts: dict[str, int] = msgspec.field(default_factory=dict)
+    interact_ms_p50: float = 0.0
+    """Time the replica took to answer its recent interact calls (up to 10,000): from the request's
+    dispatch to its reply, waits for the session and the worker pool included."""
+    interact_ms_p99: float = 0.0
 
 
 class EpisodeStatus:

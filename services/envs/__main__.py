@@ -10,7 +10,7 @@ from contextlib import AsyncExitStack
 from services.envs.host import EnvHost
 from shared.bus import connect, declare_topology, heartbeat_loop, replica_name
 from shared.config import from_argv
-from shared.lifecycle import close_connection, exit_code, install_stop, stop_if_connection_closed
+from shared.lifecycle import close_connection, exit_code, install_stop, run, stop_if_connection_closed
 from shared.log import setup_logging
 from shared.subjects import Subjects, check_token
 
@@ -59,5 +59,5 @@ async def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(main(sys.argv[1:]))
+    run(main(sys.argv[1:]))
     sys.exit(exit_code())

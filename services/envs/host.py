@@ -4,6 +4,11 @@ through the queue group and the other endpoints are pinned to the replica's own 
 
 Every handler runs in its own task (a slow tool call must not hold up other sessions), decodes at
 the boundary (bad input -> coded error reply + dead letter), and turns any exception into a reply.
+The episodes' blocking calls (open, tool call, oracle, close) share one bounded pool of threads
+(``WorkerPool``, ``env.worker_threads``), not a thread per session: a replica holds thousands of
+sessions, and a few busy threads serve them better than thousands contending for the GIL. A
+session's calls still run one at a time and in the order they came (its lock is first come, first
+served). On shutdown every open episode is closed before the interpreter ends.
 """
 
 from __future__ import annotations
@@ -13,10 +18,10 @@ import concurrent.futures
 import functools
 import json
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import structlog
 from nats.aio.client import Client
@@ -45,6 +50,8 @@ from shared.subjects import Subjects
 
 log = structlog.get_logger()
 
+T = TypeVar("T")
+
 
 @dataclass
 class Session:
@@ -58,6 +65,34 @@ class Session:
     closed: bool = False
     running: asyncio.Future[ToolResult] | None = None
     """The last tool call's thread; one that timed out may still run, and the episode is freed after it."""
+
+
+class WorkerPool:
+    """At most ``size`` of the episodes' blocking calls run at once, on as many threads. A call the host
+    stopped waiting for (past ``action_timeout_s``) gives its slot back at once and finishes on a spare
+    thread, so stuck tools do not starve the other sessions; past ``size`` spare threads more calls
+    queue behind them. The order of one session's calls is its lock's business, not the pool's."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.slots = asyncio.Semaphore(size)
+        self.executor = concurrent.futures.ThreadPoolExecutor(max_workers=2 * size, thread_name_prefix="env")
+
+    async def run(self, fn: Callable[[], T], timeout_s: float | None = None,
+                  started: Callable[[asyncio.Future[T]], None] | None = None) -> T:
+        """``fn()`` on a pool thread. ``started`` gets the thread's future: it runs on when the caller is
+        cancelled or its ``timeout_s`` passes (TimeoutError), and a caller that must free what it makes
+        (an opened episode, a running tool) keeps it."""
+        async with self.slots:
+            future = asyncio.get_running_loop().run_in_executor(self.executor, fn)
+            if started is not None:
+                started(future)
+            return await asyncio.wait_for(asyncio.shield(future), timeout_s)
+
+    def close(self) -> None:
+        """No more calls; threads still running a stuck tool end with it (the process exit does not wait
+        on them beyond the stop watchdog, shared.lifecycle)."""
+        self.executor.shutdown(wait=False, cancel_futures=True)
 
 
 def parse_tool_call(message: dict[str, Any]) -> tuple[str, ToolCall]:
@@ -131,6 +166,10 @@ class EnvHost:
         self.sessions_started = 0
         self.started_at = time.monotonic()
         self._tasks: set[asyncio.Task[None]] = set()
+        self._closing_tasks: set[asyncio.Task[None]] = set()  # frees of sessions whose tool still runs
+        self.pool = WorkerPool(cfg.worker_threads)
+        self.interact_s: deque[float] = deque(maxlen=10_000)  # recent interact answer times, for health
+        self.stopping = False
         self.js: JetStreamContext | None = None
         # The last replies of start / interact (per turn) / cancel: a request resent after a NATS reconnect
         # (its reply was lost) gets the same answer instead of a second session or a second tool run.
@@ -147,10 +186,6 @@ class EnvHost:
     # ------------------------------------------------------------------ service wiring
     async def serve(self, nc: Client, js: JetStreamContext) -> Any:
         self.js = js
-        # Tool calls run in threads; the loop's default pool (cores + 4 threads) would queue every session
-        # behind a few slow ones (an OS command may take seconds), so give each session its own thread.
-        asyncio.get_running_loop().set_default_executor(
-            concurrent.futures.ThreadPoolExecutor(max_workers=self.cfg.max_sessions + 4, thread_name_prefix="env"))
         s, t, r = self.subjects, self.task, self.replica_id
         service = await add_service(nc, name=s.env_service_name(t), version="1.0.0",
                                     description=f"JetRL {t} environment", metadata={"replica_id": r})
@@ -158,15 +193,20 @@ class EnvHost:
         await service.add_endpoint(name="tasks", subject=s.env_tasks(t), handler=self._spawn(self.tasks))
         await service.add_endpoint(name="health", subject=s.env_health(t), handler=self._spawn(self.health),
                                    queue_group=f"health-{r}")  # every replica answers a health request
-        await service.add_endpoint(name="interact", subject=s.env_interact(t, r), handler=self._spawn(self.interact))
+        await service.add_endpoint(name="interact", subject=s.env_interact(t, r),
+                                   handler=self._spawn(self.interact, timed=self.interact_s))
         await service.add_endpoint(name="cancel", subject=s.env_cancel(t, r), handler=self._spawn(self.cancel))
         await service.add_endpoint(name="oracle", subject=s.env_oracle(t, r), handler=self._spawn(self.oracle))
         return service
 
-    def _spawn(self, handler: Callable[[bytes], Awaitable[bytes]]) -> Callable[[Request], Awaitable[None]]:
+    def _spawn(self, handler: Callable[[bytes], Awaitable[bytes]],
+               timed: deque[float] | None = None) -> Callable[[Request], Awaitable[None]]:
         async def run(request: Request) -> None:
+            started = time.perf_counter()
             try:
                 await request.respond(await handler(request.data))
+                if timed is not None:
+                    timed.append(time.perf_counter() - started)
             except BadMessage as exc:
                 await request.respond_error(str(exc.code), exc.reason)
                 if self.js is not None:
@@ -192,12 +232,25 @@ class EnvHost:
             return self.replies[(req.session_id, "start")]
         if req.session_id in self.sessions:
             raise ServiceError("409", f"session {req.session_id} already exists")
+        if self.stopping:
+            raise ServiceError("503", f"replica {self.replica_id} is shutting down")
         if len(self.sessions) >= self.cfg.max_sessions:
             raise ServiceError("503", f"replica {self.replica_id} is at its limit of {self.cfg.max_sessions} sessions")
+        opening: list[asyncio.Future[Episode]] = []
         try:
-            episode = await asyncio.to_thread(self.env.open, req.task_id, req.split, req.seed)
+            episode = await self.pool.run(functools.partial(self.env.open, req.task_id, req.split, req.seed),
+                                          started=opening.append)
         except KeyError:
             raise ServiceError("404", f"unknown {self.task} task {req.task_id!r} in split {req.split!r}") from None
+        except asyncio.CancelledError:  # shutdown: the episode the thread is still opening is closed once open
+            if opening:
+                opening[0].add_done_callback(self._close_orphan)
+            raise
+        if self.stopping or req.session_id in self.sessions:  # shut down, or a duplicate start opened one too
+            await self._free_episode(req.session_id, episode)
+            if self.stopping:
+                raise ServiceError("503", f"replica {self.replica_id} is shutting down")
+            raise ServiceError("409", f"session {req.session_id} already exists")
         self.sessions[req.session_id] = Session(req.session_id, req.task_id, episode)
         self.sessions_started += 1
         log.info("session_started", task=self.task, session_id=req.session_id, task_id=req.task_id)
@@ -266,9 +319,10 @@ class EnvHost:
                 run = functools.partial(session.episode.call, call)
             else:  # a text-only turn: most tasks refuse it, KG reads its "Final Answer: #3" from it
                 run = functools.partial(session.episode.reply, str(message.get("content") or ""))
-            session.running = asyncio.ensure_future(asyncio.to_thread(run))
-            # shield: a thread cannot be stopped; the episode is freed once it returns (see _close)
-            result = await asyncio.wait_for(asyncio.shield(session.running), timeout=self.cfg.action_timeout_s)
+            # a thread cannot be stopped: one past the timeout runs on, and the episode is freed once it
+            # returns (see _close)
+            result = await self.pool.run(run, self.cfg.action_timeout_s,
+                                         started=functools.partial(setattr, session, "running"))
         except ToolError as exc:
             session.invalid_actions += 1
             if self.cfg.invalid_action_ends_episode:
@@ -290,7 +344,7 @@ class EnvHost:
     async def oracle(self, data: bytes) -> bytes:
         req = decode(data, EnvOracle)
         session = self._session(req.session_id)
-        call = await asyncio.to_thread(self.env.oracle, session.episode)
+        call = await self.pool.run(functools.partial(self.env.oracle, session.episode))
         message: dict[str, Any] = {"role": "assistant", "content": call.content}
         if call.name:  # an empty name is a text-only turn (KG's "Final Answer: #3")
             message["tool_calls"] = [{"id": f"call_{session.turns}", "type": "function",
@@ -318,9 +372,12 @@ class EnvHost:
         counts: dict[str, int] = {}
         for split in ("train", "test"):
             counts[split] = len(self.env.task_ids(split))
+        recent = sorted(self.interact_s)
+        p50, p99 = (1000 * recent[int(q * (len(recent) - 1))] if recent else 0.0 for q in (0.5, 0.99))
         return encode(EnvHealth(replica_id=self.replica_id, task=self.task, sessions=len(self.sessions),
                                 max_sessions=self.cfg.max_sessions, sessions_started=self.sessions_started,
-                                uptime_s=time.monotonic() - self.started_at, task_counts=counts))
+                                uptime_s=time.monotonic() - self.started_at, task_counts=counts,
+                                interact_ms_p50=p50, interact_ms_p99=p99))
 
     # ------------------------------------------------------------------ lifecycle
     async def _close(self, session: Session, status: str) -> None:
@@ -330,19 +387,32 @@ class EnvHost:
         self.sessions.pop(session.session_id, None)
         if session.running is not None and not session.running.done():  # a timed-out tool is still running
             task = asyncio.create_task(self._free(session, status))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self._closing_tasks.add(task)
+            task.add_done_callback(self._closing_tasks.discard)
         else:
             await self._free(session, status)
 
     async def _free(self, session: Session, status: str) -> None:
         if session.running is not None:
             await asyncio.wait({session.running})  # never close an episode under its own running tool
-        try:
-            await asyncio.to_thread(session.episode.close)
-        except Exception:
-            log.exception("session_close_failed", session_id=session.session_id)
+        await self._free_episode(session.session_id, session.episode)
         log.info("session_closed", task=self.task, session_id=session.session_id, status=status, turns=session.turns)
+
+    async def _free_episode(self, session_id: str, episode: Episode) -> None:
+        try:
+            await self.pool.run(episode.close)
+        except Exception:
+            log.exception("session_close_failed", session_id=session_id)
+
+    def _close_orphan(self, future: asyncio.Future[Episode]) -> None:
+        """An episode whose start was cancelled while its thread opened it: close it, never leak it."""
+        if future.cancelled() or future.exception() is not None:
+            return
+        episode = future.result()
+        try:
+            self.pool.executor.submit(episode.close)
+        except RuntimeError:  # the pool is already shut: close it here, the loop is ending anyway
+            episode.close()
 
     async def reap_idle(self, every_s: float = 5.0) -> None:
         """Close sessions whose agent went quiet (a dead rollout replica leaves them behind)."""
@@ -352,9 +422,25 @@ class EnvHost:
             for session in [s for s in self.sessions.values() if s.last_active < cutoff and not s.lock.locked()]:
                 await self._close(session, EpisodeStatus.TIMEOUT)
 
-    async def shutdown(self) -> None:
-        for session in list(self.sessions.values()):
-            await self._close(session, EpisodeStatus.CANCELLED)
+    async def shutdown(self, wait_s: float = 3.0) -> None:
+        """Refuse new starts, let the requests in flight finish (up to ``wait_s``), then close every open
+        episode through the pool and the env itself. Nothing is left for the interpreter's exit to
+        tear down: thousands of SQLite connections (with Python callbacks) freed at interpreter exit
+        crashed it (SIGSEGV in libpython) before."""
+        self.stopping = True
+        in_flight = set(self._tasks)
+        if in_flight:
+            await asyncio.wait(in_flight, timeout=wait_s)
         for task in list(self._tasks):
             task.cancel()
-        await asyncio.to_thread(self.env.close)
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        open_sessions = list(self.sessions.values())
+        await asyncio.gather(*(self._close(session, EpisodeStatus.CANCELLED) for session in open_sessions))
+        if self._closing_tasks:  # episodes waiting for a stuck tool: closed if it ends in time
+            await asyncio.wait(set(self._closing_tasks), timeout=wait_s)
+        try:
+            await self.pool.run(self.env.close)
+        finally:
+            self.pool.close()
+        log.info("env_host_stopped", task=self.task, sessions_closed=len(open_sessions),
+                 stuck_tools=len(self._closing_tasks))

@@ -17,7 +17,7 @@ from services.rollout.engine import Engine, HFEngine
 from services.rollout.worker import RolloutWorker
 from shared.bus import connect, declare_topology, heartbeat_loop, replica_name
 from shared.config import JetRLConfig, from_argv
-from shared.lifecycle import close_connection, exit_code, install_stop, stop_if_connection_closed
+from shared.lifecycle import close_connection, exit_code, install_stop, run, stop_if_connection_closed
 from shared.log import setup_logging
 from shared.model import load_tokenizer, quiet_transformers, resolve_model
 from shared.subjects import Subjects
@@ -114,5 +114,5 @@ async def serve_openai(cfg: JetRLConfig, engine: Engine | None, tokenizer: Any, 
 
 
 if __name__ == "__main__":
-    asyncio.run(main(sys.argv[1:]))
+    run(main(sys.argv[1:]))
     sys.exit(exit_code())

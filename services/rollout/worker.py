@@ -39,12 +39,12 @@ from services.rollout.engine import Engine, Generation
 from services.rollout.openai_client import ContextLimit, OpenAIChatClient, history_after_turn
 from shared.bus import (
     TRANSIENT,
+    Acker,
     dead_letter,
     decode_or_dead_letter,
     publish_metrics,
     publish_retrying,
     read_object,
-    retrying,
 )
 from shared.config import RolloutConfig
 from shared.envapi import ERROR_CODE_HEADER, ERROR_HEADER, EnvClient, EnvError
@@ -118,6 +118,7 @@ class RolloutWorker:
         self._weights_lock = asyncio.Lock()
         self._weights_loaded = asyncio.Condition()  # notified after each load (synchronous mode waits on it)
         self._pool_tasks: set[asyncio.Task[None]] = set()
+        self.acks = Acker("job_ack")  # confirmed in the background, retried: a stored trajectory's job is acked
 
     # ------------------------------------------------------------------ jobs
     def lanes(self) -> dict[str, int]:
@@ -184,6 +185,7 @@ class RolloutWorker:
         for task in tasks:  # shutting down: unacked jobs are redelivered to other replicas
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        await self.acks.drain()
 
     async def _handle(self, msg: Msg) -> None:
         job = await decode_or_dead_letter(self.js, self.subjects, "rollout", msg, EpisodeJob)
@@ -213,10 +215,7 @@ class RolloutWorker:
             traj = None
         finally:
             self.active -= 1
-        try:  # the trajectory is stored: a lost ack only means a replay that TRAJ deduplicates
-            await retrying("job_ack", msg.ack_sync)
-        except Exception as exc:
-            log.warning("job_ack_failed", episode_id=job.episode_id, error=repr(exc))
+        self.acks.ack(msg, episode_id=job.episode_id)  # the trajectory is stored; a replay TRAJ would deduplicate
         self.episodes_done += 1
         if traj is not None:
             log.info("episode_done", task=job.task, episode_id=job.episode_id, reward=traj.reward,
