@@ -155,7 +155,8 @@ def test_the_shipped_compose_config_is_the_generated_one() -> None:
     assert server_authorization(Subjects("jetrl")) in shipped
 
 
-ROLE_OF_SERVICE = {"topology": "admin", "controller": "controller", "trainer": "trainer", "rollout": "rollout"}
+ROLE_OF_SERVICE = {"topology": "admin", "controller": "controller", "trainer": "trainer", "trainer-ranks": "trainer",
+                   "rollout": "rollout"}
 
 
 def test_compose_connects_every_service_as_its_role_and_exposes_nothing_open() -> None:
