@@ -59,6 +59,7 @@ class Subjects:
     # ---- consumers ----
     rollout_consumer: str = "rollout"
     """The one durable pull consumer on JOBS that every rollout replica shares (load balancing)."""
+
     def rollout_lane_consumer(self, task: str) -> str:
         """A task's own durable consumer on JOBS (``rollout.task_concurrency``: per-task lanes), shared by
         every rollout replica; a run uses either these or ``rollout_consumer``, never both (JOBS is a work queue)."""
