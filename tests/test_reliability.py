@@ -22,7 +22,7 @@ from services.rollout.chat import parse_assistant
 from services.trainer.trainer import Trainer
 from shared.bus import connect, declare_topology
 from shared.config import EnvConfig, JetRLConfig, ModelConfig
-from shared.envapi import EnvClient
+from shared.envapi import EnvClient, EnvError
 from shared.messages import EnvInteract, EnvStart, EnvStep, Trajectory, TurnInfo, decode, encode
 from shared.model import load_model, quiet_transformers, resolve_model
 from shared.natsd import EmbeddedNats
@@ -98,6 +98,19 @@ def test_a_crash_loop_ends_the_run_naming_the_service_and_its_last_log_lines(tmp
     assert sup.report().values == {"restarts/env-db-0": 2.0, "restarts/total": 2.0}
 
 
+async def start_when_served(client: EnvClient, session_id: str, task_id: str, within_s: float = 10.0) -> Any:
+    """``client.start`` once the env's endpoints are subscribed on the server: under load the micro
+    service's subscriptions can reach it after a flush of the other connection ("503: no responders")."""
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            return await client.start(session_id, task_id)
+        except EnvError as exc:
+            if exc.code != "503" or time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.2)
+
+
 async def test_an_env_request_survives_a_nats_kill_and_restart_and_runs_its_tool_once(tmp_path: Path) -> None:
     server = EmbeddedNats(tmp_path / "nats")
     url = server.start()
@@ -112,7 +125,7 @@ async def test_an_env_request_survives_a_nats_kill_and_restart_and_runs_its_tool
         service = await host.serve(env_nc, env_nc.jetstream())
         await env_nc.flush()  # the endpoints are subscribed on the server before the other client asks
         client = EnvClient(rollout_nc, subjects, "db", timeout_s=10.0)
-        started = await client.start("s1", "t0")
+        started = await start_when_served(client, "s1", "t0")
         pending = asyncio.create_task(client.interact("r1", "s1", work(7), turn=0))
         while env.calls == 0:  # the tool is running: now the broker dies under both clients
             await asyncio.sleep(0.05)
