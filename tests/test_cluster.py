@@ -22,6 +22,7 @@ from shared.bus import connect
 from shared.config import NatsConfig, save_config
 from shared.natsd import EmbeddedCluster
 from shared.subjects import Subjects
+from tests.procs import log_tails
 from tests.test_faults import count_episodes, fault_config, steps_done
 
 # 35-68 s here (the longer under a load average of 8): the fault tier, beside tests/test_faults.py's kills;
@@ -94,7 +95,7 @@ def test_three_node_cluster_loses_a_node_mid_run_and_no_episode(tmp_path: Path) 
             out.close()
         elapsed = time.monotonic() - started
         text = (tmp_path / "up.out").read_text()
-        logs = "\n".join(f"--- {p.name}\n{p.read_text()[-2500:]}" for p in sorted((run_dir / "logs").glob("*.log")))
+        logs = log_tails(run_dir, 2500)
         assert rc == 0, f"{text}\n{logs}"
         assert killed, f"the run ended before step {kill_at_step}: {text}"
         assert f"training finished: {steps} steps" in text

@@ -23,7 +23,7 @@ from shared.bus import connect
 from shared.config import JetRLConfig, save_config
 from shared.messages import ActionEvent, Trajectory, WeightsAnnouncement, decode
 from shared.subjects import Subjects
-from tests.procs import stop_processes
+from tests.procs import log_tails, stop_processes
 
 pytestmark = pytest.mark.slow
 
@@ -79,7 +79,7 @@ def test_jetrl_up_trains_two_steps_through_all_services(config: JetRLConfig, tmp
     proc = subprocess.run([sys.executable, "-m", "jetrl.cli", "up", "--config", str(cfg_path), "--rollouts", "1"],
                           cwd=REPO, capture_output=True, text=True, timeout=420)
     run_dir = Path(cfg.run.dir)
-    logs = "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted((run_dir / "logs").glob("*.log")))
+    logs = log_tails(run_dir)
     assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}\n{logs}"
     # progress printed per step, with per-task success
     assert "step 1" in proc.stdout and "step 2" in proc.stdout and "db: success" in proc.stdout

@@ -33,6 +33,7 @@ from shared.envapi import EnvClient
 from shared.messages import DeadLetter, EpisodeJob, Trajectory, TurnInfo, decode, encode
 from shared.natsd import EmbeddedNats
 from shared.subjects import Subjects
+from tests.procs import log_tails
 
 pytestmark = pytest.mark.faults
 
@@ -177,7 +178,7 @@ def test_every_service_and_nats_killed_under_jetrl_up_the_run_finishes_and_loses
         out.close()
     elapsed = time.monotonic() - started
     text = (tmp_path / "up.out").read_text()
-    logs = "\n".join(f"--- {p.name}\n{p.read_text()[-2500:]}" for p in sorted((run_dir / "logs").glob("*.log")))
+    logs = log_tails(run_dir, 2500)
     assert rc == 0, f"{text}\n{logs}"
     assert [k[0] for k in killed] == ["services.envs", "services.rollout", "services.trainer",
                                       "services.controller", "nats-server"], text
@@ -271,7 +272,7 @@ def test_ten_thousand_malformed_messages_crash_nothing_a_poison_trajectory_is_de
     answered = {"coded": 0, "other": 0}
 
     def logs() -> str:
-        return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted((run_dir / "logs").glob("*.log")))
+        return log_tails(run_dir)
 
     async def flood() -> None:
         nc = await connect(cfg.nats, "flood")

@@ -16,6 +16,7 @@ import pytest
 from shared.config import JetRLConfig, save_config
 from shared.messages import ActionEvent, Trajectory
 from shared.subjects import Subjects
+from tests.procs import log_tails
 from tests.test_e2e import REPO, read_stream, small_config
 
 pytestmark = pytest.mark.slow
@@ -28,7 +29,7 @@ def test_sync_mode_trains_every_batch_on_policy(config: JetRLConfig, tmp_path: P
     proc = subprocess.run([sys.executable, "-m", "jetrl.cli", "up", "--config", str(cfg_path), "--rollouts", "2"],
                           cwd=REPO, capture_output=True, text=True, timeout=420)
     run_dir = Path(cfg.run.dir)
-    logs = "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted((run_dir / "logs").glob("*.log")))
+    logs = log_tails(run_dir)
     assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}\n{logs}"
 
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
