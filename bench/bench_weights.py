@@ -47,11 +47,11 @@ from services.rollout.engine import HFEngine  # noqa: E402
 from services.rollout.worker import RolloutWorker, WeightsLoadTimes  # noqa: E402
 from shared.bus import connect, declare_topology, read_object  # noqa: E402
 from shared.config import ModelConfig, NatsConfig, RolloutConfig  # noqa: E402
+from shared.digest import digest  # noqa: E402
 from shared.messages import WeightsAnnouncement  # noqa: E402
 from shared.model import (  # noqa: E402
     LORA_TARGETS,
     add_lora,
-    digest,
     load_model,
     load_tokenizer,
     lora_delta_bytes,

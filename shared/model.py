@@ -24,7 +24,6 @@ from typing import Any
 import torch
 
 from shared.config import ModelConfig
-from shared.digest import digest  # noqa: F401  (re-exported: the trainer's and tests' name for it)
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 

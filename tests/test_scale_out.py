@@ -16,10 +16,10 @@ from services.rollout.engine import HFEngine
 from services.rollout.worker import RolloutWorker
 from shared.bus import read_object
 from shared.config import ConfigError, JetRLConfig, load_config
+from shared.digest import digest
 from shared.messages import WeightsAnnouncement
 from shared.model import (
     bytes_to_weights,
-    digest,
     load_model,
     load_tokenizer,
     quiet_transformers,

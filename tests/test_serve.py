@@ -23,11 +23,11 @@ from services.rollout.chat import parse_assistant, render_chat, render_observati
 from services.rollout.openai_api import choice_message
 from services.rollout.openai_client import history_after_turn
 from shared.bus import connect
+from shared.digest import digest
 from shared.messages import WeightsAnnouncement, encode
 from shared.model import (
     GGUF_FILE,
     _smollm2_dir,
-    digest,
     load_model,
     load_tokenizer,
     resolve_model,

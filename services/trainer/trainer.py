@@ -41,12 +41,12 @@ from services.trainer.packing import (
 )
 from shared.bus import dead_letter, decode_or_dead_letter, publish_metrics, retrying
 from shared.config import TrainerConfig
+from shared.digest import digest
 from shared.lm import PackedLM
 from shared.messages import EpisodeStatus, Trajectory, WeightsAnnouncement, decode, encode
 from shared.model import (
     add_lora,
     bytes_to_weights,
-    digest,
     load_weights_into,
     lora_delta_bytes,
     save_checkpoint,
