@@ -47,7 +47,7 @@ from services.rollout.engine import HFEngine  # noqa: E402
 from services.rollout.worker import RolloutWorker, WeightsLoadTimes  # noqa: E402
 from shared.bus import connect, declare_topology, read_object  # noqa: E402
 from shared.config import ModelConfig, NatsConfig, RolloutConfig  # noqa: E402
-from shared.digest import digest  # noqa: E402
+from shared.digest import digest, new_hasher, split_digest  # noqa: E402
 from shared.messages import WeightsAnnouncement  # noqa: E402
 from shared.model import (  # noqa: E402
     LORA_TARGETS,
@@ -98,10 +98,20 @@ async def raw_objects(js: Any, subjects: Subjects, sizes_mb: list[float], chunks
             name = f"raw-{size}-{chunk}"
             meta = ObjectMeta(name=name, options=ObjectMetaOptions(max_chunk_size=chunk * 1024))
             put_s, _ = await _timed(lambda: store.put(name, data, meta=meta), 1)  # noqa: B023
-            read_s, got = await _timed(lambda: read_object(js, subjects.weights_bucket, name), repeats)  # noqa: B023
-            assert got == data
+            # the two readers alternate on the same object, so both see the same neighbours
+            own: list[tuple[float, float]] = []
+            nats_py: list[tuple[float, float]] = []
+            for _ in range(repeats):
+                for reader, times in ((read_object, own), (read_object_nats_py, nats_py)):
+                    seconds, got = await _timed(lambda: reader(js, subjects.weights_bucket, name), 1)  # noqa: B023
+                    assert got == data
+                    del got
+                    times.append((seconds, CPU["last"]))
+            read_s, read_cpu = (statistics.median(t[i] for t in own) for i in (0, 1))
+            nats_py_s, nats_py_cpu = (statistics.median(t[i] for t in nats_py) for i in (0, 1))
             row = {"size_mb": size, "chunk_kib": chunk, "put_mb_s": size / put_s, "read_object_mb_s": size / read_s,
-                   "read_object_s": read_s, "read_object_mb_per_cpu_s": size / CPU["last"]}
+                   "read_object_s": read_s, "read_object_mb_per_cpu_s": size / read_cpu,
+                   "nats_py_mb_s": size / nats_py_s, "nats_py_s": nats_py_s, "nats_py_mb_per_cpu_s": size / nats_py_cpu}
             if size <= get_max_mb:
                 get_s, res = await _timed(lambda: store.get(name), min(repeats, 3))  # noqa: B023
                 assert res.data == data
@@ -122,6 +132,41 @@ def lora_model(path: Path, rank: int) -> Any:
             if "lora_B" in name:
                 p.normal_(0.0, 1e-3)
     return model
+
+
+# ------------------------------------------------- read_object through nats-py (issue 18 item 5, first part), for comparison
+async def read_object_nats_py(js: Any, bucket: str, name: str, window_bytes: int = 16 * 1024**2,
+                              expected_digest: str | None = None) -> bytearray:
+    """``shared.bus.read_object`` before its own connection (``shared.objectread``): the chunks through
+    nats-py's pull ``fetch`` in 16 MiB batches, each copied into the buffer and hashed as it arrives."""
+    store = await js.object_store(bucket)
+    info = await store.get_info(name)
+    if expected_digest is not None:
+        algorithm, want = split_digest(expected_digest)
+    else:
+        algorithm, want = "sha256", base64.urlsafe_b64decode(info.digest.split("=", 1)[1]).hex()
+    hasher = new_hasher(algorithm)
+    buf = bytearray(info.size)
+    view = memoryview(buf)
+    sub = await js.pull_subscribe(
+        Subjects.object_chunks(bucket, info.nuid), stream=Subjects.object_stream(bucket),
+        config=ConsumerConfig(ack_policy=AckPolicy.NONE, deliver_policy=DeliverPolicy.ALL, inactive_threshold=30.0),
+        pending_bytes_limit=1024**3, pending_msgs_limit=1_000_000)
+    per_batch = max(1, window_bytes // -(-info.size // info.chunks))
+    got = filled = 0
+    try:
+        while got < info.chunks:
+            for msg in await sub.fetch(min(per_batch, info.chunks - got), timeout=10.0):
+                end = filled + len(msg.data)
+                view[filled:end] = msg.data
+                hasher.update(msg.data)
+                filled, got = end, got + 1
+    finally:
+        await sub.unsubscribe()
+        view.release()
+    if filled != info.size or hasher.hexdigest() != want:
+        raise ValueError("digest mismatch")
+    return buf
 
 
 # ----------------------------------------------------------------- the replica's path before issue 18, for comparison
@@ -239,13 +284,15 @@ def _path_figures(label: str, loads: list[WeightsLoadTimes], size_mb: float) -> 
 
 
 def markdown(raw: list[dict[str, Any]], real: list[dict[str, Any]]) -> str:
-    out = ["| object | chunk | put MB/s | read_object MB/s | read_object MB per CPU-s | ObjectStore.get MB/s "
-           "| ObjectStore.get MB per CPU-s |", "|---|---|---|---|---|---|---|"]
+    out = ["| object | chunk | put MB/s | read_object MB/s | read_object MB per CPU-s | through nats-py MB/s "
+           "| through nats-py MB per CPU-s | ObjectStore.get MB/s | ObjectStore.get MB per CPU-s |",
+           "|---|---|---|---|---|---|---|---|---|"]
     for r in raw:
         get = (f"{r['get_mb_s']:.1f} | {r['get_mb_per_cpu_s']:.0f}" if "get_mb_s" in r
                else "not run (quadratic) | -")
         out.append(f"| {r['size_mb']:g} MB | {r['chunk_kib']} KiB | {r['put_mb_s']:.0f} | "
-                   f"{r['read_object_mb_s']:.0f} | {r['read_object_mb_per_cpu_s']:.0f} | {get} |")
+                   f"{r['read_object_mb_s']:.0f} | {r['read_object_mb_per_cpu_s']:.0f} | {r['nats_py_mb_s']:.0f} | "
+                   f"{r['nats_py_mb_per_cpu_s']:.0f} | {get} |")
     out += ["", "received -> held: from the object in the replica's memory to the engine holding it; end to end: "
             "from the first read to the engine holding it (medians).", "",
             "| model | dtype | bytes | serialise s | put s | digest s (trainer) | before: read s | before: received "
@@ -293,7 +340,8 @@ if __name__ == "__main__":
                         help="object-store chunk sizes, KiB (128 = nats-py's default, what the trainer uses)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--get-max-mb", type=float, default=25.0, help="largest object read with ObjectStore.get")
-    parser.add_argument("--models", type=lambda s: s.split(","), default=["tiny", "smollm2"])
+    parser.add_argument("--models", type=lambda s: [m for m in s.split(",") if m], default=["tiny", "smollm2"],
+                        help="models to broadcast into a replica ('' = raw objects only)")
     parser.add_argument("--dtypes", type=lambda s: s.split(","), default=["float32", "bfloat16"])
     parser.add_argument("--engine", choices=["continuous", "hf"], default="continuous")
     parser.add_argument("--lora-rank", type=int, default=16, help="also broadcast a LoRA adapter (0 = no)")

@@ -134,6 +134,37 @@ async def test_broadcast_into_one_replica(nc, subjects, config, tiny, dtype: str
     assert generation.policy_version == version
 
 
+async def test_next_version_is_read_into_the_last_ones_buffer(nc, subjects, config, tiny) -> None:
+    """Fresh memory costs a page fault per 4 KiB, so a replica reads a version into the previous one's buffer,
+    but only when nothing refers to it any more: a live view of the old bytes keeps them as they are."""
+    js = nc.jetstream()
+    store = await js.object_store(subjects.weights_bucket)
+    worker = RolloutWorker(nc, js, subjects, config.rollout, tiny["engine"], tiny["tok"], "rollout-test")
+    source = load_model(tiny["path"])
+    gen = torch.Generator().manual_seed(5)
+    loads, objects = [], []
+    for step in range(3):
+        with torch.no_grad():
+            for p in source.parameters():
+                p.add_(0.01 * torch.randn(p.shape, generator=gen))
+        data = weights_to_bytes(source)
+        objects.append(data)
+        version = tiny["engine"].policy_version + 1
+        name = subjects.weights_object(version)
+        await store.put(name, data, meta=ObjectMeta(name=name, options=ObjectMetaOptions(max_chunk_size=1024**2)))
+        if step == 2:  # someone still holds a tensor of version 2's bytes: they must survive version 3
+            held = weights_from_buffer(worker._weights_buffer)["model.embed_tokens.weight"]
+            held_before = held.clone()
+        loads.append(await worker._load(WeightsAnnouncement(version=version, object_name=name, digest=digest(data),
+                                                            size=len(data), dtype="float32")))
+        got = tiny["engine"].model.state_dict()
+        for key, want in source.state_dict().items():
+            assert torch.equal(got[key], want), (step, key)
+    assert [t.reused_buffer for t in loads] == [False, True, False]
+    assert torch.equal(held, held_before)
+    assert bytes(worker._weights_buffer) == objects[2]
+
+
 async def test_corrupt_broadcast_is_refused(nc, subjects, config, tiny) -> None:
     js = nc.jetstream()
     data = weights_to_bytes(load_model(tiny["path"]))

@@ -72,6 +72,10 @@ class WeightUpdate:
     loop: asyncio.AbstractEventLoop
 
     def done(self, result: Any = None) -> None:
+        # the engine has copied the weights (or skipped them): drop the tensors now. They are views of the
+        # received buffer, which the worker refills with the next version only when no view is left, and
+        # the engine thread keeps this update alive until its queue brings the next item
+        self.state = {}
         self.loop.call_soon_threadsafe(_set_result, self.future, result)
 
     def fail(self, exc: BaseException) -> None:

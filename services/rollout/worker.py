@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import json
 import random
+import sys
 import time
 import zlib
 from collections.abc import AsyncIterator, Sequence
@@ -79,6 +80,7 @@ class WeightsLoadTimes:
 
     read_s: float  # from the object store into one buffer, hashed as the chunks arrived
     hold_s: float  # from that buffer (received, verified) to the engine holding the weights
+    reused_buffer: bool = False  # read into the previous version's buffer (cfg.keep_weights_buffer)
 
 
 @dataclass
@@ -104,6 +106,7 @@ class RolloutWorker:
         self.tasks = list(tasks)  # the run's tasks: one lane each when rollout.task_concurrency is set
         self.model_path = model_path  # the base weights a broadcast LoRA adapter is added to
         self.base_weights: dict[str, Any] | None = None
+        self._weights_buffer: bytearray | None = None  # the last version's bytes (cfg.keep_weights_buffer)
         self.engine, self.tokenizer, self.replica_id = engine, tokenizer, replica_id
         if engine is None and cfg.engine not in ("oracle", "openai"):
             raise ValueError(f"rollout.engine={cfg.engine!r} needs a model engine")
@@ -565,8 +568,11 @@ class RolloutWorker:
             started = time.monotonic()
             # one pass: the chunks are hashed against the announcement's digest (written by the trainer only,
             # shared/auth.py) as they arrive, into one buffer the tensors below are views of
+            spare = self._spare_weights_buffer()
             data = await read_object(self.js, self.subjects.weights_bucket, note.object_name,
-                                     expected_digest=note.digest)
+                                     expected_digest=note.digest, into=spare)
+            reused = data is spare
+            del spare
             received = time.monotonic()
             state = weights_from_buffer(data)
             if note.format == "lora":  # an adapter: the full weights are the base's plus B @ A
@@ -579,10 +585,22 @@ class RolloutWorker:
             async with self._weights_loaded:
                 self._weights_loaded.notify_all()
             held = time.monotonic()
-            log.info("weights_loaded", policy_version=note.version, size=len(data), dtype=note.dtype,
+            del state
+            if self.cfg.keep_weights_buffer:
+                self._weights_buffer = data
+            log.info("weights_loaded", policy_version=note.version, size=len(data), dtype=note.dtype, reused_buffer=reused,
                      read_s=round(received - started, 3), hold_s=round(held - received, 3),
                      seconds=round(held - started, 3))
-            return WeightsLoadTimes(read_s=received - started, hold_s=held - received)
+            return WeightsLoadTimes(read_s=received - started, hold_s=held - received, reused_buffer=reused)
+
+    def _spare_weights_buffer(self) -> bytearray | None:
+        """The last version's buffer, to read the next one into, if nothing refers to it any more: every
+        tensor view of it (``weights_from_buffer``) holds a reference to the bytearray, so while an engine
+        still holds a view it is not overwritten (a fresh buffer is read then). Taken out of the worker
+        while it is filled."""
+        spare, self._weights_buffer = self._weights_buffer, None
+        # 2 references: ``spare`` and getrefcount's argument; any more is a view or a holder somewhere else
+        return spare if spare is not None and sys.getrefcount(spare) == 2 else None
 
     async def report_metrics(self, every_s: float = 5.0) -> None:
         while True:

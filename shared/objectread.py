@@ -1,0 +1,287 @@
+"""Read an object-store object's chunks straight into one buffer, on a connection of its own.
+
+``shared.bus.read_object`` uses this for the weights broadcast. Through nats-py, every received byte is
+copied six or seven times before it reaches the caller: the asyncio stream's buffer, a 32 KiB ``bytes`` per
+socket read, the protocol parser's buffer, a slice, the message's ``bytes``. The client process then costs
+more CPU than nats-server does, and on this project's 2-core machine it capped the read at 250-390 MB/s
+(docs/benchmarks/weights.md). Here a blocking socket in a helper thread reads each chunk's payload with
+``recv_into`` into its place in the destination buffer. The kernel's copy is the only one, and the event
+loop stays free meanwhile (``recv_into`` and the hashers release the GIL).
+
+The connection speaks just enough of the NATS protocol for an ack-less pull consumer: INFO, CONNECT
+(credentials, nkeys and TLS exactly as the caller's nats-py client has them), SUB to one inbox, PUB of the
+pull requests, MSG/HMSG, PING/PONG. Two pull requests are kept in flight, so the server always has the
+next batch to send. Together they ask for at most ``window_bytes``: nats-server drops a client that has
+more than 64 MiB undelivered (a slow consumer).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import ssl
+import threading
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import ParseResult
+
+import structlog
+from nats.aio.client import Client
+
+log = structlog.get_logger()
+
+_CRLF = b"\r\n"
+_SCRATCH_BYTES = 64 * 1024  # one socket read for protocol lines; payloads bypass it
+_PULL_EXPIRES_NS = 60 * 10**9  # a pull request the server has not filled by then answers 408
+STATUS_IDLE_HEARTBEAT = 100
+
+
+class ObjectReadError(ValueError):
+    """The server refused the read, answered with a status, or sent something that is not the object."""
+
+
+@dataclass(frozen=True)
+class ChunkPlan:
+    """What to pull: the consumer (ack-less, on the object's chunk subject) and how much to expect."""
+
+    api_prefix: str  # the JetStream API's subject prefix ("$JS.API", or a domain's)
+    stream: str
+    consumer: str
+    subject: str  # the chunks' subject; every delivered message must carry it
+    chunks: int
+    size: int
+    window_bytes: int
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """Where and how the caller's nats-py client is connected, for a second connection like it."""
+
+    host: str
+    port: int
+    tls: ssl.SSLContext | None
+    tls_hostname: str | None
+    tls_first: bool
+    inbox: str
+    timeout_s: float
+
+
+async def endpoint_of(nc: Client, timeout_s: float = 30.0) -> Endpoint:
+    """The server ``nc`` is connected to now, its TLS settings, and an inbox its user may subscribe to."""
+    uri: ParseResult | None = nc.connected_url
+    if uri is None or not uri.hostname:
+        raise ConnectionError("object read: the NATS client is not connected")
+    if uri.scheme in ("ws", "wss"):
+        raise ObjectReadError("object read: websocket connections are not supported, only nats:// and tls://")
+    tls = nc.ssl_context if (nc.options.get("tls") or uri.scheme == "tls") else None
+    server = nc._current_server  # the TLS name nats-py would check for this server (an implicit route's)
+    tls_hostname = nc.options.get("tls_hostname") or getattr(server, "tls_name", None) or uri.hostname
+    return Endpoint(host=uri.hostname, port=uri.port or 4222, tls=tls, tls_hostname=tls_hostname,
+                    tls_first=bool(nc.options.get("tls_handshake_first")), inbox=nc.new_inbox(), timeout_s=timeout_s)
+
+
+def _connect_line(nc: Client, server_info: dict[str, Any]) -> bytes:
+    """The CONNECT nats-py would send to a server that announced ``server_info``: the same credentials
+    (user and password, token, nkey or JWT signature over this connection's nonce). Runs on the client's
+    event loop; nats-py reads the server info from the client, so it is swapped in and out without an
+    await between (no other coroutine sees it)."""
+    own_info, own_auth = nc._server_info, nc._auth_configured
+    nc._server_info = server_info
+    nc._auth_configured = own_auth or bool(server_info.get("auth_required"))
+    try:
+        line: bytes = nc._connect_command()
+    finally:
+        nc._server_info, nc._auth_configured = own_info, own_auth
+    # this connection only pulls: no echo of our own publishes, headers on (the server's status replies)
+    options = json.loads(line.split(b" ", 1)[1])
+    options.update(verbose=False, pedantic=False, echo=False, headers=True, no_responders=True,
+                   name=f"{options.get('name') or 'jetrl'}-object-read")
+    return b"CONNECT " + json.dumps(options).encode() + _CRLF
+
+
+class ChunkReader:
+    """One object's chunks into ``buf``, in a helper thread, over its own connection (see the module)."""
+
+    def __init__(self, endpoint: Endpoint, plan: ChunkPlan, buf: bytearray, hasher: Any,
+                 connect_line: Any) -> None:
+        self.endpoint, self.plan, self.buf, self.hasher = endpoint, plan, buf, hasher
+        self.connect_line = connect_line  # server_info -> CONNECT bytes (runs on the caller's loop)
+        self.sock: socket.socket | None = None
+        self.pending = bytearray()  # bytes read but not parsed yet: protocol lines, a payload's first part
+        self.scratch = bytearray(_SCRATCH_BYTES)
+        self.closed = threading.Event()
+
+    # ------------------------------------------------------------------------------------ the wire
+    def _recv_more(self) -> None:
+        assert self.sock is not None
+        n = self.sock.recv_into(self.scratch)
+        if n == 0:
+            raise ConnectionError("object read: the server closed the connection")
+        self.pending += memoryview(self.scratch)[:n]
+
+    def _line(self) -> bytes:
+        while True:
+            end = self.pending.find(_CRLF)
+            if end >= 0:
+                line = bytes(self.pending[:end])
+                del self.pending[:end + 2]
+                return line
+            if len(self.pending) > 16 * 1024:
+                raise ObjectReadError(f"object read: no protocol line in {len(self.pending)} bytes")
+            self._recv_more()
+
+    def _read_into(self, target: memoryview) -> None:
+        """Exactly ``len(target)`` bytes: what is already pending, then straight from the socket."""
+        assert self.sock is not None
+        have = min(len(self.pending), len(target))
+        if have:
+            target[:have] = memoryview(self.pending)[:have]
+            del self.pending[:have]
+        while have < len(target):
+            n = self.sock.recv_into(target[have:])
+            if n == 0:
+                raise ConnectionError("object read: the server closed the connection mid-message")
+            have += n
+
+    def _skip(self, count: int) -> bytes:
+        out = bytearray(count)
+        self._read_into(memoryview(out))
+        return bytes(out)
+
+    def _send(self, data: bytes) -> None:
+        assert self.sock is not None
+        self.sock.sendall(data)
+
+    def _request(self, batch: int) -> None:
+        body = json.dumps({"batch": batch, "expires": _PULL_EXPIRES_NS}).encode()
+        subject = f"{self.plan.api_prefix}.CONSUMER.MSG.NEXT.{self.plan.stream}.{self.plan.consumer}"
+        self._send(f"PUB {subject} {self.endpoint.inbox} {len(body)}\r\n".encode() + body + _CRLF)
+
+    # ------------------------------------------------------------------------------------ the session
+    def _open(self) -> None:
+        ep = self.endpoint
+        sock = socket.create_connection((ep.host, ep.port), timeout=ep.timeout_s)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            # a bigger receive buffer lets the server write more per round; best effort (the kernel caps it)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 * 1024 * 1024)
+        except OSError:
+            pass
+        if ep.tls is not None and ep.tls_first:
+            sock = ep.tls.wrap_socket(sock, server_hostname=ep.tls_hostname)
+        self.sock = sock
+        line = self._line()
+        if not line.startswith(b"INFO "):
+            raise ObjectReadError(f"object read: expected INFO from the server, got {line[:60]!r}")
+        info = json.loads(line[5:])
+        if ep.tls is not None and not ep.tls_first:
+            if self.pending:
+                raise ObjectReadError("object read: the server sent data before the TLS handshake")
+            self.sock = sock = ep.tls.wrap_socket(sock, server_hostname=ep.tls_hostname)
+        elif info.get("tls_required"):
+            raise ObjectReadError("object read: the server requires TLS and the client has none")
+        self._send(self.connect_line(info) + b"PING\r\n")
+        while True:  # the PONG says CONNECT was accepted; a refusal comes as -ERR
+            line = self._line()
+            if line == b"PONG":
+                break
+            if line.startswith(b"-ERR"):
+                raise ObjectReadError(f"object read: the server refused the connection: {line.decode(errors='replace')}")
+            if line == b"PING":
+                self._send(b"PONG\r\n")
+        self._send(f"SUB {ep.inbox} 1\r\n".encode())
+
+    def run(self) -> int:
+        """Fill ``buf`` with the chunks in order, hashing each; the number of bytes filled."""
+        plan = self.plan
+        try:
+            self._open()
+            chunk_size = -(-plan.size // plan.chunks)
+            per_request = max(1, min(plan.chunks, (plan.window_bytes // 2) // chunk_size))
+            view = memoryview(self.buf)
+            try:
+                return self._pull(view, per_request)
+            finally:
+                view.release()  # a bytearray with an exported view cannot be resized or handed on safely
+        finally:
+            self.close()
+
+    def _pull(self, view: memoryview, per_request: int) -> int:
+        plan = self.plan
+        requested = got = filled = 0
+        while requested < min(plan.chunks, 2 * per_request):  # two requests in flight
+            batch = min(per_request, plan.chunks - requested)
+            self._request(batch)
+            requested += batch
+        subject = plan.subject.encode()
+        while got < plan.chunks:
+            line = self._line()
+            op, _, rest = line.partition(b" ")
+            if op == b"MSG":  # MSG <subject> <sid> [reply] <size>
+                args = rest.split(b" ")
+                header_size, size = 0, int(args[-1])
+            elif op == b"HMSG":  # HMSG <subject> <sid> [reply] <header size> <total size>
+                args = rest.split(b" ")
+                header_size, size = int(args[-2]), int(args[-1]) - int(args[-2])
+            elif op == b"PING":
+                self._send(b"PONG\r\n")
+                continue
+            elif op in (b"PONG", b"+OK", b"INFO"):  # INFO: the server's news (cluster members, lame duck)
+                continue
+            elif op == b"-ERR":
+                raise ObjectReadError(f"object read: server error {line.decode(errors='replace')}")
+            else:
+                raise ObjectReadError(f"object read: unexpected protocol line {line[:60]!r}")
+            headers = self._skip(header_size) if header_size else b""
+            if args[0] != subject:  # a status (no chunk): 408 request expired, 409 consumer gone, 100 heartbeat
+                self._skip(size + 2)
+                status = headers.split(_CRLF, 1)[0].decode(errors="replace")
+                if headers.startswith(b"NATS/1.0 100"):
+                    continue
+                raise ObjectReadError(f"object read: {status or 'a message on ' + args[0].decode()!r} after "
+                                      f"{got} of {plan.chunks} chunks")
+            end = filled + size
+            if end > plan.size:
+                raise ObjectReadError(f"object read: chunks exceed the object's size of {plan.size} bytes")
+            self._read_into(view[filled:end])
+            if self._skip(2) != _CRLF:
+                raise ObjectReadError("object read: a chunk does not end where its size says")
+            self.hasher.update(view[filled:end])
+            filled, got = end, got + 1
+            if requested < plan.chunks and got > requested - per_request:  # one request done: the next one
+                batch = min(per_request, plan.chunks - requested)
+                self._request(batch)
+                requested += batch
+        return filled
+
+    def close(self) -> None:
+        """Close the connection; a ``run`` in progress fails at its next read (how a cancel stops it)."""
+        self.closed.set()
+        if self.sock is not None:
+            try:
+                self.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            self.sock.close()
+
+
+async def read_chunks(nc: Client, plan: ChunkPlan, buf: bytearray, hasher: Any, timeout_s: float = 30.0) -> int:
+    """Run a ``ChunkReader`` in a helper thread; the bytes filled. A cancel closes its connection."""
+    loop = asyncio.get_running_loop()
+    endpoint = await endpoint_of(nc, timeout_s)
+
+    def connect_line(info: dict[str, Any]) -> bytes:
+        # nats-py's credential callbacks belong to the client's loop: build the line there
+        async def build() -> bytes:
+            return _connect_line(nc, info)
+        return asyncio.run_coroutine_threadsafe(build(), loop).result(timeout=timeout_s)
+
+    reader = ChunkReader(endpoint, plan, buf, hasher, connect_line)
+    task = loop.run_in_executor(None, reader.run)
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        reader.close()
+        await asyncio.gather(task, return_exceptions=True)
+        raise
