@@ -3,14 +3,17 @@
 Two parts, each a median over ``--repeats``:
 
 1. Raw objects (random bytes) of several sizes and chunk sizes: the trainer's ``ObjectStore.put``, the
-   replica's reader ``shared.bus.read_object``, and nats-py's ``ObjectStore.get`` (only up to
+   replica's reader ``shared.bus.read_object`` (its own connection, ``shared.objectread``) alternating with
+   the same reader through nats-py's pull ``fetch`` (``read_object_nats_py``, how it read before), both
+   checking the BLAKE3 digest, each into a fresh buffer; and nats-py's ``ObjectStore.get`` (only up to
    ``--get-max-mb``: it is quadratic, and slow beyond that).
 Wall-clock MB/s on a shared machine mostly measures its other tenants, so every read also reports
 MB per CPU-second (this process plus the nats-server): what the path costs, whatever the load.
 
 2. The real path into one replica: a trainer-side ``weights_to_bytes`` + put of a model's weights
    (fp32 and the bf16 broadcast option), then ``RolloutWorker._load`` (read_object hashing each chunk
-   into one buffer, ``weights_from_buffer`` views, the engine's in-place copy; ``--engine continuous``,
+   into one buffer, from the second load on the previous version's, ``weights_from_buffer`` views, the
+   engine's in-place copy; ``--engine continuous``,
    the default engine, or ``hf``), alternating on the same object with ``load_before``, the replica's
    path before issue 18 (join, two SHA-256 passes, ``safetensors.torch.load``, ``.to`` + ``copy_``).
    Reported: received -> held (the object in memory to the engine holding it) and end to end. With
@@ -20,6 +23,7 @@ MB per CPU-second (this process plus the nats-server): what the path costs, what
 
     python bench/bench_weights.py                      # the figures in docs/benchmarks/scale_out.md
     python bench/bench_weights.py --sizes 100 --chunks 1024 --models tiny,smollm2 --repeats 3  # weights.md
+    python bench/bench_weights.py --sizes 651 --chunks 1024 --models smollm2 --repeats 5 --get-max-mb 0
     python bench/bench_weights.py --sizes 25 --repeats 3 --models tiny   # quick look
 """
 
@@ -98,12 +102,15 @@ async def raw_objects(js: Any, subjects: Subjects, sizes_mb: list[float], chunks
             name = f"raw-{size}-{chunk}"
             meta = ObjectMeta(name=name, options=ObjectMetaOptions(max_chunk_size=chunk * 1024))
             put_s, _ = await _timed(lambda: store.put(name, data, meta=meta), 1)  # noqa: B023
-            # the two readers alternate on the same object, so both see the same neighbours
+            # the two readers alternate on the same object, so both see the same neighbours; each checks the
+            # BLAKE3 digest a replica gets in the announcement
+            note_digest = digest(data)
             own: list[tuple[float, float]] = []
             nats_py: list[tuple[float, float]] = []
             for _ in range(repeats):
                 for reader, times in ((read_object, own), (read_object_nats_py, nats_py)):
-                    seconds, got = await _timed(lambda: reader(js, subjects.weights_bucket, name), 1)  # noqa: B023
+                    seconds, got = await _timed(
+                        lambda: reader(js, subjects.weights_bucket, name, expected_digest=note_digest), 1)  # noqa: B023
                     assert got == data
                     del got
                     times.append((seconds, CPU["last"]))

@@ -60,7 +60,8 @@ class Endpoint:
 
     host: str
     port: int
-    tls: ssl.SSLContext | None
+    tls: ssl.SSLContext  # the client's context (nats-py's default one when it has none)
+    tls_wanted: bool  # the client asked for TLS; else only when the server requires it, as nats-py does
     tls_hostname: str | None
     tls_first: bool
     inbox: str
@@ -74,10 +75,10 @@ async def endpoint_of(nc: Client, timeout_s: float = 30.0) -> Endpoint:
         raise ConnectionError("object read: the NATS client is not connected")
     if uri.scheme in ("ws", "wss"):
         raise ObjectReadError("object read: websocket connections are not supported, only nats:// and tls://")
-    tls = nc.ssl_context if (nc.options.get("tls") or uri.scheme == "tls") else None
     server = nc._current_server  # the TLS name nats-py would check for this server (an implicit route's)
     tls_hostname = nc.options.get("tls_hostname") or getattr(server, "tls_name", None) or uri.hostname
-    return Endpoint(host=uri.hostname, port=uri.port or 4222, tls=tls, tls_hostname=tls_hostname,
+    return Endpoint(host=uri.hostname, port=uri.port or 4222, tls=nc.ssl_context,
+                    tls_wanted=bool(nc.options.get("tls")) or uri.scheme == "tls", tls_hostname=tls_hostname,
                     tls_first=bool(nc.options.get("tls_handshake_first")), inbox=nc.new_inbox(), timeout_s=timeout_s)
 
 
@@ -168,19 +169,17 @@ class ChunkReader:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 * 1024 * 1024)
         except OSError:
             pass
-        if ep.tls is not None and ep.tls_first:
+        if ep.tls_first:
             sock = ep.tls.wrap_socket(sock, server_hostname=ep.tls_hostname)
         self.sock = sock
         line = self._line()
         if not line.startswith(b"INFO "):
             raise ObjectReadError(f"object read: expected INFO from the server, got {line[:60]!r}")
         info = json.loads(line[5:])
-        if ep.tls is not None and not ep.tls_first:
+        if not ep.tls_first and (ep.tls_wanted or info.get("tls_required")):
             if self.pending:
                 raise ObjectReadError("object read: the server sent data before the TLS handshake")
             self.sock = sock = ep.tls.wrap_socket(sock, server_hostname=ep.tls_hostname)
-        elif info.get("tls_required"):
-            raise ObjectReadError("object read: the server requires TLS and the client has none")
         self._send(self.connect_line(info) + b"PING\r\n")
         while True:  # the PONG says CONNECT was accepted; a refusal comes as -ERR
             line = self._line()

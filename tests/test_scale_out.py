@@ -6,7 +6,10 @@ object refused), and backend selection by config. vLLM and DeepSpeed have their 
 
 from __future__ import annotations
 
+import asyncio
 import os
+import shutil
+import subprocess
 
 import pytest
 import torch
@@ -14,10 +17,12 @@ from nats.js.api import ObjectMeta, ObjectMetaOptions
 
 from services.rollout.engine import HFEngine
 from services.rollout.worker import RolloutWorker
-from shared.bus import read_object
-from shared.config import ConfigError, JetRLConfig, load_config
+from shared.bus import connect, declare_topology, read_object
+from shared.config import ConfigError, JetRLConfig, NatsConfig, load_config
 from shared.digest import digest
 from shared.messages import WeightsAnnouncement
+from shared.natsd import EmbeddedNats
+from shared.subjects import Subjects
 from shared.model import (
     bytes_to_weights,
     load_model,
@@ -40,6 +45,38 @@ async def test_read_object_bigger_than_the_servers_client_buffer(nc, subjects) -
     await store.put(name, data, meta=ObjectMeta(name=name, options=ObjectMetaOptions(max_chunk_size=1024**2)))
     assert await read_object(js, subjects.weights_bucket, name) == data
     assert await read_object(js, subjects.weights_bucket, name, window_bytes=1) == data  # one chunk a batch
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command for a test certificate")
+async def test_read_object_over_tls(tmp_path) -> None:
+    """read_object's own connection speaks TLS as the client's does (the server's certificate checked
+    against nats.tls_ca), and a read cancelled midway closes it without leaving anything behind."""
+    cert, key = tmp_path / "server.pem", tmp_path / "server.key"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+                    "-nodes", "-days", "1", "-subj", "/CN=localhost", "-addext", "subjectAltName=IP:127.0.0.1",
+                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
+    # EmbeddedNats appends its authorization text to the server's config as it is: a tls block fits there
+    server = EmbeddedNats(tmp_path / "nats", authorization=f'tls {{\n  cert_file: "{cert}"\n  key_file: "{key}"\n}}\n')
+    url = server.start()
+    try:
+        cfg = NatsConfig(url=url.replace("nats://", "tls://"), tls_ca=str(cert))
+        client = await connect(cfg, "pytest-tls")
+        js = client.jetstream()
+        subjects = Subjects("tls")
+        await declare_topology(js, subjects, cfg)
+        store = await js.object_store(subjects.weights_bucket)
+        data = os.urandom(20 * 1024**2 + 5)
+        await store.put("obj", data, meta=ObjectMeta(name="obj", options=ObjectMetaOptions(max_chunk_size=1024**2)))
+        assert await read_object(js, subjects.weights_bucket, "obj", expected_digest=digest(data)) == data
+        read = asyncio.create_task(read_object(js, subjects.weights_bucket, "obj", window_bytes=1))
+        await asyncio.sleep(0.05)
+        read.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await read
+        assert await read_object(js, subjects.weights_bucket, "obj") == data  # the client is still fine
+        await client.close()
+    finally:
+        server.stop()
 
 
 async def test_read_object_checks_one_digest(nc, subjects) -> None:
