@@ -14,6 +14,9 @@ replicas:
 * ``before``: the path before issue 18 (join, two SHA-256 passes, ``safetensors.torch.load``, ``.to`` + copy;
   ``bench_weights.load_before``).
 
+CPU seconds of nats-server and of the replica processes (all their threads) over each round say where the
+time went: on a 2-core machine the replicas' reads and the server's sends share the same two cores.
+
     python bench/bench_weights_fanout.py --replicas 4 --dtypes float32,bfloat16 --repeats 3
 """
 
@@ -53,6 +56,12 @@ from shared.natsd import EmbeddedNats  # noqa: E402
 from shared.subjects import Subjects  # noqa: E402
 
 PATHS = ("now", "nats-py", "before")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of one process so far (its threads included)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 LOAD_SUBJECT = "bench.fanout.load"
 DONE_SUBJECT = "bench.fanout.done"
 READY_SUBJECT = "bench.fanout.ready"
@@ -161,15 +170,21 @@ async def driver(args: argparse.Namespace) -> list[dict[str, Any]]:
                         await asyncio.sleep(1.0)  # the put's work is done before the clock starts
                         job = {"path": path, "version": version, "name": name, "digest": note_digest,
                                "sha256": sha256_hex, "size": len(data), "dtype": dtype}
+                        assert server.proc is not None
+                        server_cpu, replicas_cpu = cpu_seconds(server.proc.pid), sum(cpu_seconds(p.pid) for p in procs)
                         started = time.time()
                         await nc.publish(LOAD_SUBJECT, json.dumps(job).encode())
                         reports = [await asyncio.wait_for(done.get(), 300) for _ in range(args.replicas)]
                         all_held = max(r["held_at"] for r in reports) - started
+                        # where the CPU went while the version spread: the server's sending, the replicas' reading
+                        server_cpu = cpu_seconds(server.proc.pid) - server_cpu
+                        replicas_cpu = sum(cpu_seconds(p.pid) for p in procs) - replicas_cpu
                         row = {"dtype": dtype, "path": path, "round": round_, "all_held_s": all_held,
                                "first_held_s": min(r["held_at"] for r in reports) - started,
                                "read_s": statistics.median(r["read_s"] for r in reports),
                                "hold_s": statistics.median(r["hold_s"] for r in reports),
-                               "reused": sum(r["reused"] for r in reports), "load_average": os.getloadavg()[0]}
+                               "reused": sum(r["reused"] for r in reports), "server_cpu_s": server_cpu,
+                               "replicas_cpu_s": replicas_cpu, "load_average": os.getloadavg()[0]}
                         print(json.dumps(row), flush=True)
                         if round_:
                             times[path].append(row)
@@ -183,6 +198,8 @@ async def driver(args: argparse.Namespace) -> list[dict[str, Any]]:
                                  "read_s": statistics.median(r["read_s"] for r in got),
                                  "hold_s": statistics.median(r["hold_s"] for r in got),
                                  "aggregate_mb_s": args.replicas * size_mb / all_held,
+                                 "server_cpu_s": statistics.median(r["server_cpu_s"] for r in got),
+                                 "replicas_cpu_s": statistics.median(r["replicas_cpu_s"] for r in got),
                                  "reused": f"{sum(r['reused'] for r in got)}/{args.replicas * len(got)}"})
             await nc.publish(LOAD_SUBJECT, json.dumps({"stop": True}).encode())
             await nc.flush()
@@ -199,12 +216,13 @@ async def driver(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 def markdown(rows: list[dict[str, Any]], replicas: int) -> str:
     out = [f"| dtype | object | read path | all {replicas} hold it | first holds it | read s (median replica) "
-           f"| received -> held s | {replicas} x object / all-held time | read into the last buffer |",
-           "|---|---|---|---|---|---|---|---|---|"]
+           f"| received -> held s | {replicas} x object / all-held time | nats-server CPU s | replicas' CPU s "
+           "| read into the last buffer |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         out.append(f"| {r['dtype']} | {r['size_mb']:.1f} MB | {r['path']} | {r['all_held_s']:.2f} s | "
                    f"{r['first_held_s']:.2f} s | {r['read_s']:.2f} | {r['hold_s']:.2f} | {r['aggregate_mb_s']:.0f} MB/s | "
-                   f"{r['reused']} |")
+                   f"{r['server_cpu_s']:.2f} | {r['replicas_cpu_s']:.2f} | {r['reused']} |")
     return "\n".join(out)
 
 

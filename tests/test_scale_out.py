@@ -21,8 +21,6 @@ from shared.bus import connect, declare_topology, read_object
 from shared.config import ConfigError, JetRLConfig, NatsConfig, load_config
 from shared.digest import digest
 from shared.messages import WeightsAnnouncement
-from shared.natsd import EmbeddedNats
-from shared.subjects import Subjects
 from shared.model import (
     bytes_to_weights,
     load_model,
@@ -33,6 +31,8 @@ from shared.model import (
     weights_to_bytes,
     weights_to_bytes_of,
 )
+from shared.natsd import EmbeddedNats
+from shared.subjects import Subjects
 
 
 async def test_read_object_bigger_than_the_servers_client_buffer(nc, subjects) -> None:
