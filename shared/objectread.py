@@ -21,20 +21,16 @@ import asyncio
 import json
 import socket
 import ssl
-import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import ParseResult
 
-import structlog
 from nats.aio.client import Client
-
-log = structlog.get_logger()
 
 _CRLF = b"\r\n"
 _SCRATCH_BYTES = 64 * 1024  # one socket read for protocol lines; payloads bypass it
 _PULL_EXPIRES_NS = 60 * 10**9  # a pull request the server has not filled by then answers 408
-STATUS_IDLE_HEARTBEAT = 100
 
 
 class ObjectReadError(ValueError):
@@ -105,13 +101,12 @@ class ChunkReader:
     """One object's chunks into ``buf``, in a helper thread, over its own connection (see the module)."""
 
     def __init__(self, endpoint: Endpoint, plan: ChunkPlan, buf: bytearray, hasher: Any,
-                 connect_line: Any) -> None:
+                 connect_line: Callable[[dict[str, Any]], bytes]) -> None:
         self.endpoint, self.plan, self.buf, self.hasher = endpoint, plan, buf, hasher
         self.connect_line = connect_line  # server_info -> CONNECT bytes (runs on the caller's loop)
         self.sock: socket.socket | None = None
         self.pending = bytearray()  # bytes read but not parsed yet: protocol lines, a payload's first part
         self.scratch = bytearray(_SCRATCH_BYTES)
-        self.closed = threading.Event()
 
     # ------------------------------------------------------------------------------------ the wire
     def _recv_more(self) -> None:
@@ -256,7 +251,6 @@ class ChunkReader:
 
     def close(self) -> None:
         """Close the connection; a ``run`` in progress fails at its next read (how a cancel stops it)."""
-        self.closed.set()
         if self.sock is not None:
             try:
                 self.sock.shutdown(socket.SHUT_RDWR)
