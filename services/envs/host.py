@@ -6,9 +6,10 @@ Every handler runs in its own task (a slow tool call must not hold up other sess
 the boundary (bad input -> coded error reply + dead letter), and turns any exception into a reply.
 The episodes' blocking calls (open, tool call, oracle, close) share one bounded pool of threads
 (``WorkerPool``, ``env.worker_threads``), not a thread per session: a replica holds thousands of
-sessions, and a few busy threads serve them better than thousands contending for the GIL. A
-session's calls still run one at a time and in the order they came (its lock is first come, first
-served). On shutdown every open episode is closed before the interpreter ends.
+sessions. Quick calls run one after another on one lane thread (threads running them side by side
+only take turns on the GIL); a call that turns out slow moves off the lane and runs beside the
+others. A session's calls still run one at a time and in the order they came (its lock is first
+come, first served). On shutdown every open episode is closed before the interpreter ends.
 """
 
 from __future__ import annotations
