@@ -180,6 +180,8 @@ async def run_scale(live: int, replicas: int, args: argparse.Namespace, workdir:
     url = server.start()
     prefix = f"bh{uuid.uuid4().hex[:6]}"
     cfg = bench_config(url, prefix, live + 64)  # a replica may get more than its even share of starts
+    if args.worker_threads:
+        cfg.env.worker_threads = args.worker_threads
     cfg_path = workdir / f"env-{live}-{replicas}.toml"
     save_for(cfg, cfg_path, root)
     subjects = Subjects(prefix)
@@ -397,6 +399,7 @@ def main() -> None:
     s.add_argument("--measure-s", type=float, default=20.0)
     s.add_argument("--think-s", type=float, default=0.0,
                    help="mean wait before each turn (a policy generating it); 0 = as fast as the env answers")
+    s.add_argument("--worker-threads", type=int, default=0, help="env.worker_threads of the replicas (0: the default)")
     s.add_argument("--checkouts", type=lambda v: [Path(x).resolve() for x in v.split(",")], default=[ROOT],
                    help="source trees to run side by side (e.g. a checkout of an older commit, for before/after)")
     p = sub.add_parser("per-call")

@@ -136,6 +136,7 @@ class DBEnv(TaskEnv):
         self.levels = frozenset(cfg.db.levels)
         self._cache: dict[str, Task] = {}
         self._gold: dict[tuple[str, str], Any] = {}
+        self._images: dict[tuple[str, str], bytes | None] = {}  # SQLite: each task's tables as built, ~20 kB
         self._lock = threading.Lock()
         self._sources: Any = None
 
@@ -174,7 +175,13 @@ class DBEnv(TaskEnv):
 
     def open(self, task_id: str, split: str, seed: int) -> DBEpisode:
         task = self.task(task_id, split)
-        db = self.server.create(task.tables) if self.server is not None else SQLiteDB(task.tables, self.limits)
+        if self.server is not None:
+            db = self.server.create(task.tables)
+        else:  # a GRPO group opens the same task group_size times: the tables are built once, then copied
+            image = self._images.get((split, task_id))
+            db = SQLiteDB(task.tables, self.limits, image)
+            if image is None:
+                self._images[(split, task_id)] = db.image()
         try:
             episode = DBEpisode(task, db, self._gold.get((split, task_id)))
         except Exception:
