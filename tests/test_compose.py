@@ -160,3 +160,52 @@ def test_cluster_profile_runs_three_authenticated_nats_nodes_with_r3_streams(tmp
     env_file = tmp_path / ".env"
     assert jetrl_main(["secrets", "--env", str(env_file)]) == 0
     assert f"\n{CLUSTER_PASSWORD_ENV}=" in env_file.read_text()
+
+
+def test_cluster_local_profile_gives_each_node_its_own_loopback_ports() -> None:
+    """compose/docker-compose.cluster-local.yml (make test-compose runs it and kills a node): the cluster file's
+    three nodes on the host network, each with its own client, monitoring and route port (none of them a host
+    NATS's 4222/6222/8222), routed to each other on loopback with the cluster password; every JetRL service of
+    the main file connecting to the three client ports with R3 streams."""
+    from shared.auth import CLUSTER_PASSWORD_ENV
+
+    path = REPO / "compose" / "docker-compose.cluster-local.yml"
+    proc = subprocess.run([sys.executable, "-m", "check_jsonschema", "--builtin-schema", "vendor.compose-spec",
+                           str(path)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    text = path.read_text()
+    overlay = yaml.safe_load(text)
+    main = yaml.safe_load(COMPOSE.read_text())
+    cluster = yaml.safe_load((REPO / "compose" / "docker-compose.cluster.yml").read_text())
+    assert set(overlay["services"]) == set(cluster["services"])
+    defaults = dict(re.findall(r"\$\{(JETRL_LOCAL_\w*PORT\w*):-(\d+)\}", text))
+    assert not set(defaults.values()) & {"4222", "6222", "8222"}, defaults
+    assert len(set(defaults.values())) == len(defaults) == 9, defaults  # three ports per node, all distinct
+
+    def port(word: str) -> str:  # "nats://127.0.0.1:${JETRL_LOCAL_NATS_PORT_2:-14223}" -> "14223"
+        return defaults[re.findall(r"\$\{(JETRL_LOCAL_\w+):-\d+\}", word)[-1]]
+
+    clients, routes = [], None
+    for name in ("nats", "nats-2", "nats-3"):
+        svc = overlay["services"][name]
+        cmd = svc["command"]
+        flags = dict(zip(cmd, cmd[1:], strict=False))
+        assert "-js" in cmd and flags["-c"] == "/etc/nats/jetrl.conf" and flags["-a"] == "127.0.0.1", name
+        assert flags["--server_name"] == dict(zip(cluster["services"][name]["command"],
+                                                   cluster["services"][name]["command"][1:], strict=False))["--server_name"]
+        assert f"route:${{{CLUSTER_PASSWORD_ENV}" in flags["--cluster"] and "@127.0.0.1:" in flags["--cluster"], name
+        assert routes in (None, flags["--routes"]), name  # every node dials the same three routes
+        routes = flags["--routes"]
+        own_route = port(flags["--cluster"])
+        assert [port(r) for r in routes.split(",")].count(own_route) == 1, name
+        assert all(r.startswith(f"nats://route:${{{CLUSTER_PASSWORD_ENV}") for r in routes.split(",")), name
+        assert port(flags["-m"]) in " ".join(svc["healthcheck"]["test"]), name  # its own /healthz
+        assert "js-enabled-only" not in " ".join(svc["healthcheck"]["test"]), name  # healthy = current in the cluster
+        assert name == "nats" or svc["network_mode"] == "host", name  # nats: host network from the local file
+        clients.append(port(flags["-p"]))
+    for name in set(main["services"]) - {"nats"}:
+        env = {**{k: str(v) for k, v in main["services"][name]["environment"].items()},
+               **{k: str(v) for k, v in overlay["services"][name]["environment"].items()}}
+        cfg = load_config(None, environ=env)
+        assert cfg.nats.stream_replicas == 3, name
+        assert [port(u) for u in cfg.nats.url.split(",")] == clients, name
