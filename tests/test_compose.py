@@ -108,6 +108,10 @@ def test_local_profile_puts_every_service_on_the_host_network_off_the_host_nats_
     ports = dict(re.findall(r"\$\{(JETRL_LOCAL_\w*PORT):-(\d+)\}", text))
     assert set(ports) == {"JETRL_LOCAL_NATS_PORT", "JETRL_LOCAL_NATS_MONITOR_PORT", "JETRL_LOCAL_HTTP_PORT"}
     assert not set(ports.values()) & {"4222", "8222"}, ports
+    # the controller's healthcheck asks the status API on the port this profile moved it to
+    controller = local["services"]["controller"]
+    http = controller["environment"]["JETRL__CONTROLLER__HTTP_PORT"]
+    assert f"http://127.0.0.1:{http}/status" in controller["healthcheck"]["test"], controller["healthcheck"]
     for spec in (local, main):  # max_payload is a config-file setting, not a flag; users come from the conf
         nats = " ".join(spec["services"]["nats"]["command"])
         assert "-js" in nats and "--max_payload" not in nats and "-c /etc/nats/jetrl.conf" in nats, nats
