@@ -231,7 +231,6 @@ def test_compose_trains_scales_and_survives_a_kill(stack: Stack) -> None:
 CLUSTER_FILES = [arg for name in ("docker-compose.yml", "docker-compose.cluster.yml", "docker-compose.local.yml",
                                   "docker-compose.cluster-local.yml") for arg in ("-f", str(REPO / "compose" / name))]
 NODE_SERVICES = {"nats-1": "nats", "nats-2": "nats-2", "nats-3": "nats-3"}  # --server_name -> compose service
-CLUSTER_FIGURES = REPO / "runs" / "compose-test" / "cluster-figures.json"
 # The db task only (as tests/test_cluster.py): the cluster is under test, not the envs, and env-kg's first start
 # builds its graph for minutes. Written next to the test's env file as one more -f file.
 DB_ONLY = """services:
@@ -269,22 +268,37 @@ async def cluster_audit(url: str, password: str) -> tuple[dict[str, StreamState]
         await nc.close()
 
 
-def test_compose_cluster_loses_the_traj_leader_mid_run_and_no_episode() -> None:
+def trainer_node(monitor_ports: dict[str, int]) -> str | None:
+    """The node (--server_name) the trainer service is connected to, from each node's /connz."""
+    for server, port in monitor_ports.items():
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/connz?auth=true&limit=1024", timeout=5) as resp:
+            conns = json.loads(resp.read())["connections"] or []
+        # the service's own connection (named after its replica id), not its container's healthcheck
+        if any(c.get("authorized_user") == "trainer" and c.get("name", "").startswith("trainer-") for c in conns):
+            return server
+    return None
+
+
+@pytest.mark.parametrize("victim", ["traj_leader", "trainer_node"])
+def test_compose_cluster_loses_a_node_mid_run_and_no_episode(victim: str) -> None:
     """Three nats-server containers routed into one cluster, R3 streams, the tiny model trained for 8 steps with
-    two rollout replicas; once step 2 is done the node leading the TRAJ stream is `docker kill`ed (no restart
-    policy: it stays down). The run reaches its last step on the two nodes left, and counted by episode id no
-    episode is lost or stored twice."""
+    two rollout replicas; once step 2 is done one node is `docker kill`ed (no restart policy: it stays down):
+    the one leading the TRAJ stream, or the one the trainer is connected to (nats-py picks a node at random,
+    so the first may move no client at all; this one makes the trainer reconnect while it publishes weights).
+    The run reaches its last step on the two nodes left with no service restarted, and counted by episode id
+    no episode is lost or stored twice."""
     steps, kill_at_step = 8, 2
     client_ports = [free_port() for _ in NODE_SERVICES]
+    monitor_ports = {server: free_port() for server in NODE_SERVICES}
     env_extra = {"JETRL_LOCAL_TRAINER_STEPS": str(steps)}
     for i, suffix in enumerate(["", "_2", "_3"]):
         env_extra |= {f"JETRL_LOCAL_NATS_PORT{suffix}": str(client_ports[i]),
-                      f"JETRL_LOCAL_NATS_MONITOR_PORT{suffix}": str(free_port()),
+                      f"JETRL_LOCAL_NATS_MONITOR_PORT{suffix}": str(list(monitor_ports.values())[i]),
                       f"JETRL_LOCAL_NATS_CLUSTER_PORT{suffix}": str(free_port())}
     db_only = Path(tempfile.mkdtemp(prefix="jetrl-compose-")) / "db-only.yml"
     db_only.write_text(DB_ONLY)
     with running_stack([*CLUSTER_FILES, "-f", str(db_only)], "jetrl-cluster", env_extra) as s:
-        s.figures_path = CLUSTER_FIGURES
+        s.figures_path = REPO / "runs" / "compose-test" / f"cluster-{victim}.json"
         admin = s.secrets["JETRL_NATS_ADMIN_PASSWORD"]
         urls = {server: f"nats://127.0.0.1:{port}" for server, port in zip(NODE_SERVICES, client_ports, strict=True)}
         traj_stream = Subjects("jetrl").traj_stream
@@ -299,10 +313,12 @@ def test_compose_cluster_loses_the_traj_leader_mid_run_and_no_episode() -> None:
         st = s.wait(f"training step {kill_at_step}", lambda st: st["policy_version"] >= kill_at_step, 900)
 
         before, _ = asyncio.run(cluster_audit(",".join(urls.values()), admin))
-        leader = before[traj_stream].leader
-        (victim,) = s.containers(NODE_SERVICES[leader])
-        subprocess.run(["docker", "kill", victim], check=True, capture_output=True, timeout=60)
-        killed = {"node": leader, "led": sorted(n for n, state in before.items() if state.leader == leader),
+        node = before[traj_stream].leader if victim == "traj_leader" else trainer_node(monitor_ports)
+        assert node, "the trainer is connected to no node"
+        (container,) = s.containers(NODE_SERVICES[node])
+        subprocess.run(["docker", "kill", container], check=True, capture_output=True, timeout=60)
+        killed = {"victim": victim, "node": node,
+                  "led": sorted(n for n, state in before.items() if state.leader == node),
                   "at_step": st["policy_version"], "at_s": s.since()}
         s.figures["killed"] = killed
 
@@ -323,7 +339,7 @@ def test_compose_cluster_loses_the_traj_leader_mid_run_and_no_episode() -> None:
                 break
             time.sleep(3)
         s.figures["health_after_kill"] = health
-        live = ",".join(url for server, url in urls.items() if server != leader)
+        live = ",".join(url for server, url in urls.items() if server != node)
         after, books = asyncio.run(cluster_audit(live, admin))
         # per container: clients that were on the killed node and moved to a live one (nats-py shuffles the URLs:
         # maybe none), and restarts (Docker restarts a crashed service: the run would go on, but a node's loss
@@ -345,10 +361,12 @@ def test_compose_cluster_loses_the_traj_leader_mid_run_and_no_episode() -> None:
 
         # R3 everywhere; after the kill every stream is led by a node still up, and the killed one is not current
         assert {v.replicas for v in before.values()} == {3} and len(before) == 7, before
-        assert all(v.leader != leader and leader not in v.current for v in after.values()), after
+        assert all(v.leader != node and node not in v.current for v in after.values()), after
         assert state == ["exited", "0"], f"trainer container: {state}"
         assert set(health.values()) == {"healthy"}, health
         assert set(restarts.values()) == {0}, restarts
+        if victim == "trainer_node":  # the trainer did move to a live node
+            assert sum(n for c, n in reconnects.items() if c.startswith("trainer/")) >= 1, reconnects
         assert st["policy_version"] == steps, st
         assert books["stored_twice"] == 0, books
         assert books["lost"] == 0, books
