@@ -213,3 +213,52 @@ def test_cluster_local_profile_gives_each_node_its_own_loopback_ports() -> None:
         cfg = load_config(None, environ=env)
         assert cfg.nats.stream_replicas == 3, name
         assert [port(u) for u in cfg.nats.url.split(",")] == clients, name
+
+
+def test_secrets_passwords_stay_strings_in_the_compose_nats_conf(tmp_path: Path) -> None:
+    """compose/nats-server.conf reads each role's password from the environment (`$JETRL_NATS_<ROLE>_PASSWORD`),
+    and nats-server parses such a value as a config value: a bare token_urlsafe starting with `-` (or a digit
+    and a `-`) became a number or a date and the server refused to start (one `make test-compose` start in
+    ten). 300 passwords of shared.auth.env_password pass `nats-server -t` on the conf, and a server started from
+    a `jetrl secrets` file lets every role in with its password."""
+    import asyncio
+    import socket
+
+    import nats
+
+    from jetrl.cli import main as jetrl_main
+    from shared.auth import ROLES, env_password, password_env_var
+    from shared.natsd import find_nats_server
+
+    binary, conf = find_nats_server(), str(REPO / "compose" / "nats-server.conf")
+    for _ in range(300 // len(ROLES)):
+        env = {password_env_var(role): env_password() for role in ROLES}
+        proc = subprocess.run([binary, "-c", conf, "-t"], env=env, capture_output=True, text=True)
+        assert proc.returncode == 0 and "is valid" in proc.stdout + proc.stderr, (env, proc.stdout + proc.stderr)
+
+    env_file = tmp_path / ".env"
+    assert jetrl_main(["secrets", "--env", str(env_file)]) == 0
+    secrets = dict(line.split("=", 1) for line in env_file.read_text().splitlines() if "=" in line)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = subprocess.Popen([binary, "-c", conf, "-a", "127.0.0.1", "-p", str(port)], env=secrets,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+    async def let_in(role: str) -> bool:
+        for _ in range(50):  # the server may still be starting
+            try:
+                nc = await nats.connect(f"nats://127.0.0.1:{port}", user=role, allow_reconnect=False,
+                                        password=secrets[password_env_var(role)], connect_timeout=2)
+            except (OSError, nats.errors.NoServersError):
+                await asyncio.sleep(0.1)
+                continue
+            await nc.close()
+            return True
+        return False
+
+    try:
+        assert all(asyncio.run(let_in(role)) for role in ROLES), server.poll()
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
