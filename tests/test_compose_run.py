@@ -1,10 +1,13 @@
 """`docker compose up` for real (`make test-compose`): the local-test profile (compose/docker-compose.local.yml,
 host networking, free loopback ports) trains on the tiny config with two rollout replicas; a third replica
-added mid-run takes jobs; a killed rollout container does not stop the run; `down -v` leaves nothing.
+added mid-run takes jobs; a killed rollout container does not stop the run; `down -v` leaves nothing. The
+3-node JetStream cluster (compose/docker-compose.cluster.yml on the same profile) loses a node mid-run and the
+run finishes with no episode lost or stored twice.
 
 Runs only under `make test-compose` (JETRL_COMPOSE_TEST=1: it builds or reuses the images and takes minutes),
 and skips with the reason where no Docker engine or compose v2 can run. Figures (seconds from `up`, steps,
-episodes) go to runs/compose-test/figures.json for docs/benchmarks/docker.md."""
+episodes) go to runs/compose-test/figures.json for docs/benchmarks/docker.md, the cluster's to
+runs/compose-test/cluster-<case>.json for docs/benchmarks/cluster.md."""
 
 from __future__ import annotations
 
