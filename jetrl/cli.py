@@ -46,6 +46,7 @@ from shared.auth import (
     CLUSTER_PASSWORD_ENV,
     ROLES,
     controller_token,
+    env_password,
     generate_passwords,
     password_env_var,
     server_authorization,
@@ -596,8 +597,9 @@ def cmd_secrets(args: argparse.Namespace) -> int:
     if path.exists():
         print(f"jetrl secrets: {path} exists, kept (delete it to make new secrets)")
         return 0
-    lines = [f"{password_env_var(role)}={secrets.token_urlsafe(24)}" for role in ROLES]
-    lines.append(f"{CLUSTER_PASSWORD_ENV}={secrets.token_urlsafe(24)}")  # compose/docker-compose.cluster.yml's routes
+    # nats-server reads these from the environment: passwords it parses as strings (shared.auth.env_password)
+    lines = [f"{password_env_var(role)}={env_password()}" for role in ROLES]
+    lines.append(f"{CLUSTER_PASSWORD_ENV}={env_password()}")  # compose/docker-compose.cluster.yml's routes
     lines.append(f"JETRL_CONTROLLER_TOKEN={secrets.token_urlsafe(24)}")
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)

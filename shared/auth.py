@@ -159,6 +159,15 @@ def password_env_var(role: str) -> str:
     return f"JETRL_NATS_{role.upper()}_PASSWORD"
 
 
+def env_password() -> str:
+    """A random password for a server that reads it from the environment (``password: $JETRL_NATS_..._PASSWORD``
+    in compose/nats-server.conf). nats-server parses such a variable's value as a config value, not as a string:
+    a bare ``token_urlsafe`` that starts with ``-`` or a digit and a ``-`` reads as a number or a date, and the
+    server refuses to start (about 2% of them; one in ten `jetrl secrets` files). A letter first keeps it a
+    string; the rest is ``token_urlsafe``'s 192 random bits."""
+    return secrets.choice("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ") + secrets.token_urlsafe(24)
+
+
 CLUSTER_PASSWORD_ENV = "JETRL_NATS_CLUSTER_PASSWORD"
 """The password of the ``route`` user the nodes of compose's 3-node cluster (compose/docker-compose.cluster.yml)
 route to each other with: a server that does not know it cannot join the cluster."""

@@ -108,6 +108,10 @@ def test_local_profile_puts_every_service_on_the_host_network_off_the_host_nats_
     ports = dict(re.findall(r"\$\{(JETRL_LOCAL_\w*PORT):-(\d+)\}", text))
     assert set(ports) == {"JETRL_LOCAL_NATS_PORT", "JETRL_LOCAL_NATS_MONITOR_PORT", "JETRL_LOCAL_HTTP_PORT"}
     assert not set(ports.values()) & {"4222", "8222"}, ports
+    # the controller's healthcheck asks the status API on the port this profile moved it to
+    controller = local["services"]["controller"]
+    http = controller["environment"]["JETRL__CONTROLLER__HTTP_PORT"]
+    assert f"http://127.0.0.1:{http}/status" in controller["healthcheck"]["test"], controller["healthcheck"]
     for spec in (local, main):  # max_payload is a config-file setting, not a flag; users come from the conf
         nats = " ".join(spec["services"]["nats"]["command"])
         assert "-js" in nats and "--max_payload" not in nats and "-c /etc/nats/jetrl.conf" in nats, nats
@@ -160,3 +164,101 @@ def test_cluster_profile_runs_three_authenticated_nats_nodes_with_r3_streams(tmp
     env_file = tmp_path / ".env"
     assert jetrl_main(["secrets", "--env", str(env_file)]) == 0
     assert f"\n{CLUSTER_PASSWORD_ENV}=" in env_file.read_text()
+
+
+def test_cluster_local_profile_gives_each_node_its_own_loopback_ports() -> None:
+    """compose/docker-compose.cluster-local.yml (make test-compose runs it and kills a node): the cluster file's
+    three nodes on the host network, each with its own client, monitoring and route port (none of them a host
+    NATS's 4222/6222/8222), routed to each other on loopback with the cluster password; every JetRL service of
+    the main file connecting to the three client ports with R3 streams."""
+    from shared.auth import CLUSTER_PASSWORD_ENV
+
+    path = REPO / "compose" / "docker-compose.cluster-local.yml"
+    proc = subprocess.run([sys.executable, "-m", "check_jsonschema", "--builtin-schema", "vendor.compose-spec",
+                           str(path)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    text = path.read_text()
+    overlay = yaml.safe_load(text)
+    main = yaml.safe_load(COMPOSE.read_text())
+    cluster = yaml.safe_load((REPO / "compose" / "docker-compose.cluster.yml").read_text())
+    assert set(overlay["services"]) == set(cluster["services"])
+    defaults = dict(re.findall(r"\$\{(JETRL_LOCAL_\w*PORT\w*):-(\d+)\}", text))
+    assert not set(defaults.values()) & {"4222", "6222", "8222"}, defaults
+    assert len(set(defaults.values())) == len(defaults) == 9, defaults  # three ports per node, all distinct
+
+    def port(word: str) -> str:  # "nats://127.0.0.1:${JETRL_LOCAL_NATS_PORT_2:-14223}" -> "14223"
+        return defaults[re.findall(r"\$\{(JETRL_LOCAL_\w+):-\d+\}", word)[-1]]
+
+    clients, routes = [], None
+    for name in ("nats", "nats-2", "nats-3"):
+        svc = overlay["services"][name]
+        cmd = svc["command"]
+        flags = dict(zip(cmd, cmd[1:], strict=False))
+        assert "-js" in cmd and flags["-c"] == "/etc/nats/jetrl.conf" and flags["-a"] == "127.0.0.1", name
+        assert flags["--server_name"] == dict(zip(cluster["services"][name]["command"],
+                                                   cluster["services"][name]["command"][1:], strict=False))["--server_name"]
+        assert f"route:${{{CLUSTER_PASSWORD_ENV}" in flags["--cluster"] and "@127.0.0.1:" in flags["--cluster"], name
+        assert routes in (None, flags["--routes"]), name  # every node dials the same three routes
+        routes = flags["--routes"]
+        own_route = port(flags["--cluster"])
+        assert [port(r) for r in routes.split(",")].count(own_route) == 1, name
+        assert all(r.startswith(f"nats://route:${{{CLUSTER_PASSWORD_ENV}") for r in routes.split(",")), name
+        assert port(flags["-m"]) in " ".join(svc["healthcheck"]["test"]), name  # its own /healthz
+        assert "js-enabled-only" not in " ".join(svc["healthcheck"]["test"]), name  # healthy = current in the cluster
+        assert name == "nats" or svc["network_mode"] == "host", name  # nats: host network from the local file
+        clients.append(port(flags["-p"]))
+    for name in set(main["services"]) - {"nats"}:
+        env = {**{k: str(v) for k, v in main["services"][name]["environment"].items()},
+               **{k: str(v) for k, v in overlay["services"][name]["environment"].items()}}
+        cfg = load_config(None, environ=env)
+        assert cfg.nats.stream_replicas == 3, name
+        assert [port(u) for u in cfg.nats.url.split(",")] == clients, name
+
+
+def test_secrets_passwords_stay_strings_in_the_compose_nats_conf(tmp_path: Path) -> None:
+    """compose/nats-server.conf reads each role's password from the environment (`$JETRL_NATS_<ROLE>_PASSWORD`),
+    and nats-server parses such a value as a config value: a bare token_urlsafe starting with `-` (or a digit
+    and a `-`) became a number or a date and the server refused to start (one `make test-compose` start in
+    ten). 300 passwords of shared.auth.env_password pass `nats-server -t` on the conf, and a server started from
+    a `jetrl secrets` file lets every role in with its password."""
+    import asyncio
+    import socket
+
+    import nats
+
+    from jetrl.cli import main as jetrl_main
+    from shared.auth import ROLES, env_password, password_env_var
+    from shared.natsd import find_nats_server
+
+    binary, conf = find_nats_server(), str(REPO / "compose" / "nats-server.conf")
+    for _ in range(300 // len(ROLES)):
+        env = {password_env_var(role): env_password() for role in ROLES}
+        proc = subprocess.run([binary, "-c", conf, "-t"], env=env, capture_output=True, text=True)
+        assert proc.returncode == 0 and "is valid" in proc.stdout + proc.stderr, (env, proc.stdout + proc.stderr)
+
+    env_file = tmp_path / ".env"
+    assert jetrl_main(["secrets", "--env", str(env_file)]) == 0
+    secrets = dict(line.split("=", 1) for line in env_file.read_text().splitlines() if "=" in line)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = subprocess.Popen([binary, "-c", conf, "-a", "127.0.0.1", "-p", str(port)], env=secrets,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+    async def let_in(role: str) -> bool:
+        for _ in range(50):  # the server may still be starting
+            try:
+                nc = await nats.connect(f"nats://127.0.0.1:{port}", user=role, allow_reconnect=False,
+                                        password=secrets[password_env_var(role)], connect_timeout=2)
+            except (OSError, nats.errors.NoServersError):
+                await asyncio.sleep(0.1)
+                continue
+            await nc.close()
+            return True
+        return False
+
+    try:
+        assert all(asyncio.run(let_in(role)) for role in ROLES), server.poll()
+    finally:
+        server.terminate()
+        server.wait(timeout=10)

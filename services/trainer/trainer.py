@@ -678,7 +678,9 @@ class Trainer:
         # LoRA: only the adapter travels, as (A, scaled B) pairs; every replica adds B @ A to its base weights
         data = await asyncio.to_thread(lora_delta_bytes if self.lora else weights_to_bytes, self.model,
                                        self.cfg.broadcast_dtype)
-        store = await self.js.object_store(self.subjects.weights_bucket)
+        # the bucket lookups too (a STREAM.INFO request): on a cluster that just lost the node this client was on,
+        # or the bucket's leader, the request times out until the client reconnects and a new leader is elected
+        store = await retrying("weights_bucket", lambda: self.js.object_store(self.subjects.weights_bucket))
         name = self.subjects.weights_object(self.policy_version)
         # 1 MiB chunks: ~1.6x the put rate and faster reads than nats-py's 128 KiB default
         # (docs/benchmarks/scale_out.md); well under the server's max_payload.
@@ -689,7 +691,7 @@ class Trainer:
         note = WeightsAnnouncement(version=self.policy_version, object_name=name,
                                    digest=await asyncio.to_thread(digest, data), size=len(data),
                                    dtype=self.cfg.broadcast_dtype, format="lora" if self.lora else "full")
-        kv = await self.js.key_value(self.subjects.policy_kv)
+        kv = await retrying("policy_kv", lambda: self.js.key_value(self.subjects.policy_kv))
         await retrying("policy_kv_put", lambda: kv.put(self.subjects.policy_version_key, encode(note)))
         await self.nc.publish(self.subjects.weights_published, encode(note))
         old = self.policy_version - self.cfg.keep_weight_versions
