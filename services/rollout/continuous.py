@@ -37,10 +37,13 @@ import structlog
 import torch
 
 from services.rollout.engine import STOP, Generation, QueuedEngine, Request, WeightUpdate
-from shared.lm import PackedLM, fuse_projections
+from shared.lm import PackedLM, cast_linear_weights, fuse_projections
 from shared.model import load_model, load_weights_into
 
 log = structlog.get_logger()
+
+MATMUL_DTYPES: dict[str, torch.dtype | None] = {"float32": None, "bfloat16": torch.bfloat16}
+"""``rollout.matmul_dtype``: fp32 throughout (exact against the fp32 trainer), or bf16 matmuls."""
 
 MIN_SHARED_PREFIX = 16
 """Shorter common prefixes are recomputed rather than shared (not worth a cache lookup)."""
@@ -227,10 +230,16 @@ class PrefillFeed:
 class ContinuousEngine(QueuedEngine):
     def __init__(self, model_path: Any, engine_id: str, stop_token_ids: list[int], *, threads: int = 1,
                  max_batch: int = 64, prefill_chunk: int = 512, cache_tokens: int = 65536,
-                 slot_tokens: int = 1024, max_context: int = 8192, seed: int = 0, device: str = "cpu") -> None:
+                 slot_tokens: int = 1024, max_context: int = 8192, seed: int = 0, device: str = "cpu",
+                 own_thread: bool = True, matmul_dtype: str = "float32") -> None:
         torch.set_num_threads(threads)
+        self.threads = threads
         self.model = load_model(model_path, device=device).eval().requires_grad_(False)
         fuse_projections(self.model)
+        if matmul_dtype not in MATMUL_DTYPES:
+            raise ValueError(f"matmul_dtype {matmul_dtype!r}: one of {', '.join(MATMUL_DTYPES)}")
+        self.matmul_dtype = MATMUL_DTYPES[matmul_dtype]
+        cast_linear_weights(self.model, self.matmul_dtype)
         self.lm = PackedLM(self.model)
         self.stop_token_ids = set(stop_token_ids)
         self.max_batch = max_batch
@@ -243,10 +252,11 @@ class ContinuousEngine(QueuedEngine):
         self.pool = TailPool(self.lm, slot_tokens, max_slots=max(max_batch + 1, cache_tokens // slot_tokens))
         self.sequences: list[Sequence] = []
         self._banks: dict[tuple[int, ...], Bank] = {}  # the last step's banks, by their roots' ids
-        self._start(engine_id)
+        self._start(engine_id, own_thread)
 
-    # ------------------------------------------------------------------ worker thread
+    # ------------------------------------------------------------------ the engine's thread
     def _run(self) -> None:
+        torch.set_num_threads(self.threads)  # OpenMP's thread count is a setting of the thread that runs
         waiting: list[Request] = []
         running: list[Running] = []
         update: WeightUpdate | None = None
@@ -288,6 +298,7 @@ class ContinuousEngine(QueuedEngine):
     def _apply_weights(self, update: WeightUpdate) -> None:
         try:
             load_weights_into(self.model, update.state)
+            cast_linear_weights(self.model, self.matmul_dtype)  # the low-precision copies follow the new weights
         except Exception as exc:
             update.fail(exc)
             return
