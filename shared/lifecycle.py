@@ -9,7 +9,7 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 import structlog
@@ -53,8 +53,26 @@ def install_stop(stop: asyncio.Event, grace_s: float = 8.0) -> None:
         timer.daemon = True
         timer.start()
 
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, on_signal)
+    else:  # the main thread runs something else (a model engine) and hands signals over: forward_signals
+        _signal_targets.append(lambda: loop.call_soon_threadsafe(on_signal))
+
+
+_signal_targets: list[Callable[[], None]] = []
+
+
+def forward_signals() -> None:
+    """For a process whose asyncio loop runs on a second thread (the rollout's main thread runs its model
+    engine): call on the main thread before starting the loop's thread; SIGINT and SIGTERM then reach
+    the loop's ``install_stop`` as they would on the main thread."""
+    def handler(signum: int, frame: Any) -> None:
+        for target in list(_signal_targets):
+            target()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, on_signal)
+        signal.signal(sig, handler)
 
 
 async def close_connection(nc: Client, timeout_s: float = 3.0) -> None:

@@ -141,3 +141,30 @@ async def test_small_tail_slots_seal_segments_and_evict_without_changing_logprob
         assert len(g.tokens) == len(g.logprobs) > 0
         torch.testing.assert_close(torch.tensor(g.logprobs), teacher_forced(setup["model"], p, g.tokens),
                                    rtol=1e-5, atol=1e-4)
+
+
+async def test_bf16_matmuls_give_exact_logprobs_for_their_own_numbers(setup) -> None:
+    """``matmul_dtype = bfloat16``: the behaviour logprobs are those of the bf16-matmul model (a teacher-forced
+    packed pass with the same weights), and stay close to the fp32 model's."""
+    from shared.lm import PackedLM
+
+    engine = ContinuousEngine(setup["path"], "c", setup["stop"], prefill_chunk=8, seed=4, matmul_dtype="bfloat16")
+    batch = prompts(6, seed=7, shared=24)
+    try:
+        gens = await asyncio.gather(*[engine.generate(p, 16, 1.0) for p in batch])
+    finally:
+        engine.close()
+    lm = PackedLM(engine.model)
+    for p, g in zip(batch, gens, strict=True):
+        ids = torch.tensor(p + g.tokens)
+        with torch.no_grad():
+            hidden = lm.hidden(ids, torch.arange(len(ids)), lambda i, q, k, v: lm.attention(q, k, v, 0))
+            own = token_logprobs(lm.logits(hidden[len(p) - 1: -1]), torch.tensor(g.tokens), 1.0)
+        torch.testing.assert_close(torch.tensor(g.logprobs), own, rtol=0, atol=2e-3)
+        fp32 = teacher_forced(setup["model"], p, g.tokens)
+        assert (torch.tensor(g.logprobs) - fp32).abs().mean() < 0.05
+
+
+def test_an_unknown_matmul_dtype_is_refused(setup) -> None:
+    with pytest.raises(ValueError, match="matmul_dtype"):
+        ContinuousEngine(setup["path"], "c", setup["stop"], matmul_dtype="float8")

@@ -37,10 +37,13 @@ import structlog
 import torch
 
 from services.rollout.engine import STOP, Generation, QueuedEngine, Request, WeightUpdate
-from shared.lm import PackedLM, fuse_projections
+from shared.lm import PackedLM, cast_linear_weights, fuse_projections
 from shared.model import load_model, load_weights_into
 
 log = structlog.get_logger()
+
+MATMUL_DTYPES: dict[str, torch.dtype | None] = {"float32": None, "bfloat16": torch.bfloat16}
+"""``rollout.matmul_dtype``: fp32 throughout (exact against the fp32 trainer), or bf16 matmuls."""
 
 MIN_SHARED_PREFIX = 16
 """Shorter common prefixes are recomputed rather than shared (not worth a cache lookup)."""
@@ -182,16 +185,37 @@ class EngineStats:
 
 
 @dataclass
+class Bank:
+    """The sealed segments that a family of decoding rows attends to, concatenated once (every layer) so
+    that one matmul scores every row of the family against all of them; a mask keeps each row to the
+    segments (and prefixes of them) in its own chain."""
+
+    roots: list[Segment]  # held, so that the ids in a cache key cannot be reused while it lives
+    kv: torch.Tensor  # [layers, 2, kv_heads, bank tokens, head_dim]
+
+
+@dataclass
+class Family:
+    """Decoding rows whose chains start with the same root segment (a task's opening): they share one bank."""
+
+    rows: torch.Tensor | None  # local decoding rows of the family; None: every decoding row
+    slots: torch.Tensor  # their tail slots, minus the plan's first slot
+    bank: Bank | None  # None: no row of the family has a sealed segment (its tail holds everything)
+    mask: torch.Tensor | None  # [1, rows * (heads per kv head), bank tokens]: 0 where a row sees, -inf elsewhere
+
+
+@dataclass
 class DecodePlan:
     """Index tensors of one step's decoding rows (one new token each), built once and used by every layer."""
 
     rows: torch.Tensor  # rows of the packed batch
+    every_row: bool  # the decoding rows are the whole packed batch, in order (no prompt chunk this step)
     slots: torch.Tensor  # their tail slots
     positions: torch.Tensor  # where in its tail each row's key/value is written
     first_slot: int
     local_slots: torch.Tensor  # slots - first_slot
     tail_mask: torch.Tensor  # [slots in range, 1, 1, longest tail]: 0 where a slot's tail is, -inf after
-    segments: list[tuple[Segment, torch.Tensor]]  # each shared segment and the decoding rows (local) that see it
+    families: list[Family]
 
 
 @dataclass
@@ -206,10 +230,16 @@ class PrefillFeed:
 class ContinuousEngine(QueuedEngine):
     def __init__(self, model_path: Any, engine_id: str, stop_token_ids: list[int], *, threads: int = 1,
                  max_batch: int = 64, prefill_chunk: int = 512, cache_tokens: int = 65536,
-                 slot_tokens: int = 1024, max_context: int = 8192, seed: int = 0, device: str = "cpu") -> None:
+                 slot_tokens: int = 1024, max_context: int = 8192, seed: int = 0, device: str = "cpu",
+                 own_thread: bool = True, matmul_dtype: str = "float32") -> None:
         torch.set_num_threads(threads)
+        self.threads = threads
         self.model = load_model(model_path, device=device).eval().requires_grad_(False)
         fuse_projections(self.model)
+        if matmul_dtype not in MATMUL_DTYPES:
+            raise ValueError(f"matmul_dtype {matmul_dtype!r}: one of {', '.join(MATMUL_DTYPES)}")
+        self.matmul_dtype = MATMUL_DTYPES[matmul_dtype]
+        cast_linear_weights(self.model, self.matmul_dtype)
         self.lm = PackedLM(self.model)
         self.stop_token_ids = set(stop_token_ids)
         self.max_batch = max_batch
@@ -221,10 +251,12 @@ class ContinuousEngine(QueuedEngine):
         # every running sequence holds a slot; idle ones (between turns) keep theirs until evicted
         self.pool = TailPool(self.lm, slot_tokens, max_slots=max(max_batch + 1, cache_tokens // slot_tokens))
         self.sequences: list[Sequence] = []
-        self._start(engine_id)
+        self._banks: dict[tuple[int, ...], Bank] = {}  # the last step's banks, by their roots' ids
+        self._start(engine_id, own_thread)
 
-    # ------------------------------------------------------------------ worker thread
+    # ------------------------------------------------------------------ the engine's thread
     def _run(self) -> None:
+        torch.set_num_threads(self.threads)  # OpenMP's thread count is a setting of the thread that runs
         waiting: list[Request] = []
         running: list[Running] = []
         update: WeightUpdate | None = None
@@ -266,11 +298,13 @@ class ContinuousEngine(QueuedEngine):
     def _apply_weights(self, update: WeightUpdate) -> None:
         try:
             load_weights_into(self.model, update.state)
+            cast_linear_weights(self.model, self.matmul_dtype)  # the low-precision copies follow the new weights
         except Exception as exc:
             update.fail(exc)
             return
         self.policy_version = update.version
         self.sequences.clear()  # their keys/values were computed by the old weights
+        self._banks.clear()
         self.pool.reset()
         update.done()
 
@@ -409,13 +443,15 @@ class ContinuousEngine(QueuedEngine):
         ids = torch.tensor([t for _, chunk in feeds for t in chunk])
         positions = torch.cat([torch.arange(r.seq.length, r.seq.length + len(chunk)) for r, chunk in feeds])
         rows = np.cumsum([0] + [len(chunk) for _, chunk in feeds])
+        total = int(rows[-1])
         decode = self._decode_plan([(r.seq, int(a)) for (r, chunk), a in zip(feeds, rows[:-1], strict=True)
-                                    if len(chunk) == 1])
+                                    if len(chunk) == 1], total)
         prefill = [PrefillFeed(r.seq, int(a), int(b)) for (r, chunk), a, b in zip(feeds, rows[:-1], rows[1:],
                                                                                  strict=True) if len(chunk) > 1]
-        total = int(rows[-1])
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            if decode is not None and decode.every_row:
+                return self._decode_attention(layer, decode, q, k, v)
             out = q.new_empty((total, self.lm.num_heads * self.lm.head_dim))
             if decode is not None:
                 out[decode.rows] = self._decode_attention(layer, decode, q, k, v)
@@ -441,7 +477,7 @@ class ContinuousEngine(QueuedEngine):
             if self._finished(r):
                 running.remove(r)
 
-    def _decode_plan(self, decoding: list[tuple[Sequence, int]]) -> DecodePlan | None:
+    def _decode_plan(self, decoding: list[tuple[Sequence, int]], total: int) -> DecodePlan | None:
         if not decoding:
             return None
         slots = [seq.slot for seq, _ in decoding]
@@ -452,54 +488,103 @@ class ContinuousEngine(QueuedEngine):
         longest = int(lengths.max())
         mask = torch.zeros((len(lengths), longest), dtype=self.lm.dtype)
         mask.masked_fill_(torch.arange(longest)[None, :] >= lengths[:, None], float("-inf"))
-        by_segment: dict[tuple[int, int], tuple[Segment, list[int]]] = {}
-        for i, (seq, _) in enumerate(decoding):
-            for seg in seq.chain:
-                by_segment.setdefault(seg.key, (seg, []))[1].append(i)
         slot_index = torch.tensor(slots)
-        return DecodePlan(rows=torch.tensor([row for _, row in decoding]), slots=slot_index,
+        local_slots = slot_index - first
+        by_root: dict[int, list[int]] = {}
+        for i, (seq, _) in enumerate(decoding):
+            by_root.setdefault(id(seq.chain[0].root) if seq.chain else 0, []).append(i)
+        banks: dict[tuple[int, ...], Bank] = {}
+        families = []
+        for idx in by_root.values():
+            family_rows = None if len(idx) == len(decoding) else torch.tensor(idx)
+            family_slots = local_slots if family_rows is None else local_slots[family_rows]
+            bank, bank_mask = self._bank([decoding[i][0] for i in idx], banks)
+            families.append(Family(family_rows, family_slots, bank, bank_mask))
+        self._banks = banks  # banks no family uses this step are freed
+        every_row = len(decoding) == total
+        return DecodePlan(rows=torch.tensor([row for _, row in decoding]), every_row=every_row, slots=slot_index,
                           positions=torch.tensor([seq.tail_length for seq, _ in decoding]), first_slot=first,
-                          local_slots=slot_index - first, tail_mask=mask.view(len(lengths), 1, 1, longest),
-                          segments=[(seg, torch.tensor(idx)) for seg, idx in by_segment.values()])
+                          local_slots=local_slots, tail_mask=mask.view(len(lengths), 1, 1, longest),
+                          families=families)
+
+    def _bank(self, seqs: list[Sequence], banks: dict[tuple[int, ...], Bank]) -> tuple[Bank | None, torch.Tensor | None]:
+        """The bank of these sequences' sealed segments (reused from the last step when they are the same
+        roots: a bank changes only when a family gains or loses a segment) and each row's mask over it."""
+        roots: dict[int, Segment] = {}
+        for seq in seqs:
+            for seg in seq.chain:
+                roots.setdefault(id(seg.root), seg.root)
+        if not roots:
+            return None, None
+        key = tuple(roots)
+        bank = banks.get(key) or self._banks.get(key)
+        if bank is None:
+            members = list(roots.values())
+            bank = Bank(members, torch.cat([r.kv for r in members], dim=3) if len(members) > 1 else members[0].kv)
+        banks[key] = bank
+        offsets, at = {}, 0
+        for root_id, root in roots.items():
+            offsets[root_id] = at
+            at += root.length
+        visible = np.zeros((len(seqs), at), dtype=bool)
+        for i, seq in enumerate(seqs):
+            for seg in seq.chain:
+                start = offsets[id(seg.root)]
+                visible[i, start: start + seg.length] = True
+        rep = self.lm.num_heads // self.lm.num_kv_heads
+        bias = np.where(visible, np.float32(0), np.float32(-np.inf)).repeat(rep, axis=0)
+        return bank, torch.from_numpy(bias).to(self.lm.dtype)[None]
 
     def _decode_attention(self, layer: int, plan: DecodePlan, q: torch.Tensor, k: torch.Tensor,
                           v: torch.Tensor) -> torch.Tensor:
-        """One new token per sequence attends to its shared segments and its own tail. Each segment is read
-        once for all the rows that share it (a group's opening: once, not once per episode), every tail in
-        one batched matmul; the parts are merged exactly through their log-sum-exp."""
+        """One new token per sequence attends to its sealed segments (a family's bank, scored for every row
+        of the family in one matmul: a group's opening is read once per step, not once per episode) and to
+        its own tail (every tail in one batched matmul over the slot range), under one softmax.
+
+        About twenty tensor ops a layer whatever the number of groups: on a CPU each op costs ~10-50 us
+        of dispatch and threading at these sizes, more than its arithmetic."""
         lm = self.lm
         kv_heads, rep, d = lm.num_kv_heads, lm.num_heads // lm.num_kv_heads, lm.head_dim
         pool = self.pool.kv[layer]  # [2, slots, kv_heads, slot_tokens, d]
-        pool[0, plan.slots, :, plan.positions] = k[plan.rows]
-        pool[1, plan.slots, :, plan.positions] = v[plan.rows]
+        k_rows, v_rows, q_rows = (k, v, q) if plan.every_row else (k[plan.rows], v[plan.rows], q[plan.rows])
+        pool[0, plan.slots, :, plan.positions] = k_rows
+        pool[1, plan.slots, :, plan.positions] = v_rows
         rows = len(plan.rows)
-        qd = q[plan.rows].view(rows, kv_heads, rep, d)
-        span = plan.tail_mask.shape[0]
-        longest = plan.tail_mask.shape[-1]
+        qd = (q_rows * lm.scale).view(rows, kv_heads, rep, d)
+        span, longest = plan.tail_mask.shape[0], plan.tail_mask.shape[-1]
         keys = pool[0, plan.first_slot: plan.first_slot + span, :, :longest]
         values = pool[1, plan.first_slot: plan.first_slot + span, :, :longest]
         qs = q.new_zeros((span, kv_heads, rep, d))
         qs[plan.local_slots] = qd
-        scores = torch.matmul(qs, keys.transpose(-1, -2)).mul_(lm.scale).add_(plan.tail_mask)
-        lse = torch.logsumexp(scores, dim=-1, keepdim=True)
-        out = torch.matmul(torch.exp(scores - lse), values)[plan.local_slots]  # [rows, kv_heads, rep, d]
-        lse = lse[plan.local_slots]
-        for seg, idx in plan.segments:
-            g = len(idx)
-            seg_keys, seg_values = seg.kv[layer, 0], seg.kv[layer, 1]  # [kv_heads, length, d]
-            qg = qd[idx].permute(1, 0, 2, 3).reshape(kv_heads, g * rep, d)
-            s = torch.matmul(qg, seg_keys.transpose(-1, -2)).mul_(lm.scale)
-            lse_g = torch.logsumexp(s, dim=-1, keepdim=True)
-            out_g = torch.matmul(torch.exp(s - lse_g), seg_values)
-            out_g = out_g.view(kv_heads, g, rep, d).permute(1, 0, 2, 3)
-            lse_g = lse_g.view(kv_heads, g, rep, 1).permute(1, 0, 2, 3)
-            lse_a = lse[idx]
-            top = torch.maximum(lse_a, lse_g)
-            w_a, w_g = torch.exp(lse_a - top), torch.exp(lse_g - top)
-            norm = w_a + w_g
-            out[idx] = (out[idx] * w_a + out_g * w_g) / norm
-            lse[idx] = top + torch.log(norm)
-        return out.reshape(rows, lm.num_heads * d)
+        tail_scores = torch.matmul(qs, keys.transpose(-1, -2)).add_(plan.tail_mask)  # [span, kv, rep, longest]
+        tail_probs = torch.zeros_like(tail_scores)
+        out = None
+        for fam in plan.families:
+            scores = tail_scores[fam.slots]  # [family rows, kv, rep, longest]
+            if fam.bank is None:
+                tail_probs[fam.slots] = torch.softmax(scores, dim=-1)
+                continue
+            n = scores.shape[0]
+            bank_kv = fam.bank.kv[layer]  # [2, kv, bank tokens, d]
+            width = bank_kv.shape[2]
+            qf = qd if fam.rows is None else qd[fam.rows]
+            qb = qf.permute(1, 0, 2, 3).reshape(kv_heads, n * rep, d)
+            bank_scores = torch.baddbmm(fam.mask, qb, bank_kv[0].transpose(1, 2))  # [kv, n * rep, bank]
+            joint = torch.cat([bank_scores.view(kv_heads, n, rep, width).permute(1, 0, 2, 3), scores], dim=-1)
+            probs = torch.softmax(joint, dim=-1)
+            tail_probs[fam.slots] = probs[..., width:]
+            bank_probs = probs[..., :width].permute(1, 0, 2, 3).reshape(kv_heads, n * rep, width)
+            bank_out = torch.bmm(bank_probs, bank_kv[1]).view(kv_heads, n, rep, d).permute(1, 0, 2, 3)
+            if fam.rows is None:
+                out = bank_out
+            else:
+                if out is None:
+                    out = q.new_zeros((rows, kv_heads, rep, d))
+                out[fam.rows] = bank_out
+        tail_out = torch.matmul(tail_probs, values)[plan.local_slots]  # [rows, kv, rep, d]
+        if out is not None:
+            tail_out = tail_out + out
+        return tail_out.reshape(rows, lm.num_heads * d)
 
     def _prefill_attention(self, layer: int, feed: PrefillFeed, q: torch.Tensor, k: torch.Tensor,
                            v: torch.Tensor) -> torch.Tensor:

@@ -87,18 +87,34 @@ STOP = None
 
 
 class QueuedEngine:
-    """One worker thread owns the model; ``generate`` and ``update_weights`` queue work for it.
-    Subclasses implement ``_run``, which reads ``self._queue`` until it gets ``STOP``."""
+    """One thread owns the model; ``generate`` and ``update_weights`` queue work for it. Subclasses
+    implement ``_run``, which reads ``self._queue`` until it gets ``STOP``.
+
+    By default the engine starts its own worker thread. A service can instead run the loop on the
+    process's main thread (``own_thread=False``, then ``serve_here()`` there, with asyncio on another
+    thread): on a CPU the same decode step ran ~35 % faster on the main thread (OpenMP's thread team of
+    a second Python thread paid for every one of the step's hundreds of small parallel regions;
+    docs/benchmarks.md, "SmolLM2 on 2 cores")."""
 
     engine_id: str
     policy_version: int
 
-    def _start(self, engine_id: str) -> None:
+    def _start(self, engine_id: str, own_thread: bool = True) -> None:
         self.engine_id = engine_id
         self.policy_version = 0
         self._queue: queue.Queue[Request | WeightUpdate | None] = queue.Queue()
-        self._thread = threading.Thread(target=self._run, name=f"engine-{engine_id}", daemon=True)
-        self._thread.start()
+        self._serving = threading.Event()
+        self._stopped = threading.Event()
+        if own_thread:
+            threading.Thread(target=self.serve_here, name=f"engine-{engine_id}", daemon=True).start()
+
+    def serve_here(self) -> None:
+        """Run the engine's loop on the calling thread until ``close``."""
+        self._serving.set()
+        try:
+            self._run()
+        finally:
+            self._stopped.set()
 
     async def generate(self, prompt: list[int], max_new_tokens: int, temperature: float) -> Generation:
         loop = asyncio.get_running_loop()
@@ -114,7 +130,8 @@ class QueuedEngine:
 
     def close(self) -> None:
         self._queue.put(STOP)
-        self._thread.join(timeout=60)
+        if self._serving.is_set():  # a loop that never started has nothing to finish
+            self._stopped.wait(timeout=60)
 
     def _run(self) -> None:
         raise NotImplementedError
@@ -124,16 +141,18 @@ class HFEngine(QueuedEngine):
     """transformers ``generate`` with dynamic batching in one worker thread (the reference engine)."""
 
     def __init__(self, model_path: Any, engine_id: str, stop_token_ids: list[int], pad_token_id: int,
-                 threads: int = 1, max_batch: int = 16, device: str = "cpu") -> None:
+                 threads: int = 1, max_batch: int = 16, device: str = "cpu", own_thread: bool = True) -> None:
         torch.set_num_threads(threads)
+        self.threads = threads
         self.model = load_model(model_path, device=device).eval()
         self.stop_token_ids = stop_token_ids
         self.pad_token_id = pad_token_id
         self.max_batch = max_batch
         self.device = device
-        self._start(engine_id)
+        self._start(engine_id, own_thread)
 
     def _run(self) -> None:
+        torch.set_num_threads(self.threads)  # OpenMP's thread count is a setting of the thread that runs
         while True:
             item = self._queue.get()
             if item is STOP:
