@@ -28,8 +28,8 @@ from shared.subjects import Subjects
 
 class EngineHandoff:
     """The model engine that ``main`` builds on the asyncio thread, handed to the process's main thread to
-    run its loop there (``QueuedEngine.serve_here``): a CPU decode step runs ~35 % faster on the main
-    thread than on a second one (docs/benchmarks.md, "SmolLM2 on 2 cores")."""
+    run its loop there (``QueuedEngine.serve_here``): in process, CPU decode steps ran ~35 % faster on the
+    main thread than on a second one (docs/benchmarks.md, "SmolLM2 on 2 cores")."""
 
     def __init__(self) -> None:
         self._engines: queue.Queue[QueuedEngine | None] = queue.Queue()

@@ -92,9 +92,8 @@ class QueuedEngine:
 
     By default the engine starts its own worker thread. A service can instead run the loop on the
     process's main thread (``own_thread=False``, then ``serve_here()`` there, with asyncio on another
-    thread): on a CPU the same decode step ran ~35 % faster on the main thread (OpenMP's thread team of
-    a second Python thread paid for every one of the step's hundreds of small parallel regions;
-    docs/benchmarks.md, "SmolLM2 on 2 cores")."""
+    thread): replaying a bench workload in process, the same decode steps ran ~35 % faster on the main
+    thread; why is not pinned down (docs/benchmarks.md, "SmolLM2 on 2 cores")."""
 
     engine_id: str
     policy_version: int
