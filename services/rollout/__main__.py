@@ -19,8 +19,7 @@ from services.rollout.engine import Engine, HFEngine, QueuedEngine
 from services.rollout.worker import RolloutWorker
 from shared.bus import connect, declare_topology, heartbeat_loop, replica_name
 from shared.config import JetRLConfig, from_argv
-from shared.lifecycle import (close_connection, exit_code, forward_signals, install_stop, run,
-                              stop_if_connection_closed)
+from shared.lifecycle import close_connection, exit_code, forward_signals, install_stop, run, stop_if_connection_closed
 from shared.log import setup_logging
 from shared.model import load_tokenizer, quiet_transformers, resolve_model
 from shared.subjects import Subjects

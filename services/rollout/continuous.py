@@ -64,10 +64,6 @@ class Segment:
     def length(self) -> int:
         return len(self.tokens)
 
-    @property
-    def key(self) -> tuple[int, int]:
-        return id(self.root), self.length
-
     def prefix(self, n: int) -> Segment:
         if n == self.length:
             return self
