@@ -5,9 +5,10 @@ their own processes (``python -m services.envs db``, ``python -m services.rollou
 jobs: ``--groups`` groups of ``--group-size`` episodes (one task instance per group, GRPO-style),
 published at once as the controller would. Reported per engine: sampled tokens/s (tokens the policy
 generated, from the trajectories), episodes/s, turns, success, and wall time from the first job to
-the last trajectory.
+the last trajectory. With ``--repeats N`` the engines take turns N times (interleaved, so a slow spell of
+the machine falls on all of them) and the table reports each engine's median run.
 
-    .venv/bin/python bench/bench_rollout.py --model runs/sft/model --engines hf,continuous
+    .venv/bin/python bench/bench_rollout.py --model runs/sft/model --engines hf,continuous [--repeats 3]
 
 The model should make real tool calls (a warm start), or every episode ends after one turn.
 """
@@ -50,6 +51,7 @@ async def wait_for_replica(js, subjects: Subjects, role: str, timeout_s: float =
 
 
 async def run_engine(cfg: JetRLConfig, engine: str, args: argparse.Namespace, workdir: Path) -> dict[str, float]:
+    workdir.mkdir(parents=True, exist_ok=True)
     server = EmbeddedNats(workdir / f"nats-{engine}")
     cfg.nats.url = server.start()
     cfg.nats.prefix = f"bench{uuid.uuid4().hex[:6]}"
@@ -116,29 +118,35 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--concurrency", type=int, default=32, help="rollout.concurrency (episodes at once)")
     parser.add_argument("--threads", type=int, default=2, help="rollout.torch_threads")
+    parser.add_argument("--repeats", type=int, default=1, help="rounds over the engines; the table shows medians")
     parser.add_argument("--timeout-s", type=float, default=3600.0)
     parser.add_argument("overrides", nargs="*", help="section.key=value config overrides")
     args = parser.parse_args()
     cfg = load_config(args.config, [f"model.name={args.model}", f"rollout.concurrency={args.concurrency}",
                                     f"rollout.torch_threads={args.threads}", "run.log_level=warning",
                                     *args.overrides])
-    results = {}
+    engines = args.engines.split(",")
+    runs: dict[str, list[dict[str, float]]] = {engine: [] for engine in engines}
     with tempfile.TemporaryDirectory(prefix="bench-rollout-") as tmp:
-        for engine in args.engines.split(","):
-            results[engine] = asyncio.run(run_engine(cfg, engine, args, Path(tmp)))
-            r = results[engine]
-            print(f"{engine}: {r['tokens_per_s']:.1f} sampled tokens/s, {r['episodes_per_s']:.3f} episodes/s, "
-                  f"{r['episodes']} episodes in {r['wall_s']:.0f} s", flush=True)
-    first = results[args.engines.split(",")[0]]
+        for round_ in range(args.repeats):
+            for engine in engines:
+                r = asyncio.run(run_engine(cfg, engine, args, Path(tmp) / f"{engine}-{round_}"))
+                runs[engine].append(r)
+                print(f"{engine} (round {round_ + 1}): {r['tokens_per_s']:.1f} sampled tokens/s, "
+                      f"{r['episodes_per_s']:.3f} episodes/s, {r['episodes']} episodes in {r['wall_s']:.0f} s", flush=True)
+    # each engine's median run by sampled tokens/s (the whole run, so that its columns belong together)
+    results = {engine: sorted(rs, key=lambda r: r["tokens_per_s"])[len(rs) // 2] for engine, rs in runs.items()}
+    first = results[engines[0]]
     print(f"\n# rollout, {args.groups} groups x {args.group_size} db episodes, concurrency {args.concurrency}, "
-          f"{args.threads} threads, model {args.model}\n")
-    print("| engine | sampled tokens/s | ratio | episodes/s | turns | tokens/episode | success | wall s |")
-    print("|---|---|---|---|---|---|---|---|")
+          f"{args.threads} threads, model {args.model}, median of {args.repeats} interleaved runs\n")
+    print("| engine | sampled tokens/s (median) | all runs | ratio | episodes/s | turns | tokens/episode | success "
+          "| wall s |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for engine, r in results.items():
-        print(f"| {engine} | {r['tokens_per_s']:.1f} | {r['tokens_per_s'] / first['tokens_per_s']:.2f}x | "
+        every = ", ".join(f"{x['tokens_per_s']:.1f}" for x in runs[engine])
+        print(f"| {engine} | {r['tokens_per_s']:.1f} | {every} | {r['tokens_per_s'] / first['tokens_per_s']:.2f}x | "
               f"{r['episodes_per_s']:.3f} | {r['turns']:.2f} | {r['tokens_per_episode']:.0f} | {r['success']:.2f} | "
               f"{r['wall_s']:.0f} |")
-
 
 if __name__ == "__main__":
     main()
