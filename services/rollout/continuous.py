@@ -14,8 +14,9 @@ Here:
   system prompt of a task) attends to that prefix's keys/values by reference (a sealed ``Segment``,
   copied once out of the first sequence's tail) instead of recomputing them; a request that would
   share a prefix another request is encoding right now waits for it, then shares it.
-* **One read per shared prefix.** A decode step attends to each segment once for every row that sees it
-  and to every sequence's own tail (``TailPool``) in one batched matmul, merged by log-sum-exp.
+* **One read per shared prefix.** A decode step scores a family's sealed segments (its *bank*) once for
+  all the family's rows and every sequence's own tail (``TailPool``) in one batched matmul, under one
+  softmax.
 * **Sampled tokens only.** The LM head runs on the one row per sequence that samples.
 
 Weights: an update stops admission, lets the running turns finish, swaps the weights and drops every
