@@ -148,5 +148,6 @@ def main() -> None:
               f"{r['episodes_per_s']:.3f} | {r['turns']:.2f} | {r['tokens_per_episode']:.0f} | {r['success']:.2f} | "
               f"{r['wall_s']:.0f} |")
 
+
 if __name__ == "__main__":
     main()
