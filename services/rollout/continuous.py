@@ -603,9 +603,9 @@ class ContinuousEngine(QueuedEngine):
         """Draw each row's next token from ``softmax(logits / T)`` and keep its logprob, the trainer's
         ``log_softmax(logits / T)`` at that token.
 
-        Over [rows, 49k] every full-vocabulary pass costs ~1-4 ms on 2 cores (a fresh 6 MB buffer faults its
-        pages in each time), so this makes few: the logits are scaled in place (not at all when every T is
-        1), the CDF is exponentiated and summed in one buffer, and ``argmax`` runs only when a row is greedy."""
+        Over [rows, 49k] every full-vocabulary pass costs ~1-4 ms on 2 cores (torch profile), so this makes
+        few: the logits are scaled in place (not at all when every T is 1), the CDF is exponentiated and
+        summed in one buffer, and ``argmax`` runs only when a row is greedy."""
         logits = self.lm.logits(hidden[[row for _, row in sampling]])
         temps = [r.req.temperature if r.req.temperature > 0 else 1.0 for r, _ in sampling]
         if any(t != 1.0 for t in temps):
