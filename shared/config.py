@@ -325,6 +325,9 @@ class TrainerConfig:
     dual_clip: float = opt(0.0, "dual-clip constant c > 1 for negative advantages; 0 = off")
     kl_coef: float = opt(0.0, "weight of the k3 KL penalty to the initial (reference) model; 0 = no reference")
     minibatches: int = opt(1, "optimizer steps per batch (the proximal policy is fixed for all of them)")
+    filter_flat_groups: bool = opt(False, "rl: a group whose episodes all got the same reward (no policy-gradient "
+                                          "signal) is acked and left out, and does not count towards min_groups, "
+                                          "so every step trains on groups with signal (DAPO's dynamic sampling)")
     max_staleness: dict[str, int] = opt({}, "task -> most versions a turn may lag ('*' = every task); empty = no bound")
     staleness_mode: str = opt("drop", "beyond the bound: drop the trajectory | downweight its tokens")
     staleness_downweight: float = opt(0.5, "token weight of a too-stale trajectory in downweight mode")

@@ -257,6 +257,33 @@ async def test_versions_only_go_up_across_a_restart_and_are_recorded_before_they
     assert fresh.policy_version == 13
 
 
+async def test_flat_groups_are_acked_and_left_out_and_each_step_trains_on_signal(
+        nc, config, subjects, tiny_model: Any, tmp_path: Path) -> None:
+    """trainer.filter_flat_groups: a group whose episodes all got one reward is acked without training and
+    does not count towards min_groups; the step waits for two groups with signal, and its per-task success
+    counts every episode it consumed."""
+    import copy
+
+    config.trainer.filter_flat_groups, config.trainer.steps = True, 1
+    config.trainer.min_groups = config.trainer.max_groups = 2
+    js = nc.jetstream()
+    trainer = Trainer(nc, js, subjects, config.trainer, copy.deepcopy(tiny_model), tmp_path, "t")
+    groups = {"all-solved": [1.0, 1.0], "mixed-a": [1.0, 0.0], "all-failed": [0.0, 0.0], "mixed-b": [0.0, 1.0]}
+    for group_id, rewards in groups.items():  # in this order: the flat ones arrive first and would fill a step
+        for i, reward in enumerate(rewards):
+            episode = traj([1, 2, 3, 4], [0, 0, 1, 1], [(2, 4)], episode_id=f"{group_id}-{i}", group_id=group_id,
+                           reward=reward)
+            await js.publish(subjects.traj("db"), encode(episode))
+    await asyncio.wait_for(trainer.run(asyncio.Event()), 120)
+    (row,) = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert row["train/groups"] == 2 and row["train/trajectories"] == 4 and row["train/flat_groups"] == 2
+    assert not row.get("train/skipped_update") and row["policy_version"] == 1
+    assert row["task/db/episodes"] == 8 and row["task/db/success"] == 0.5  # 4 of the 8 consumed solved
+    await nc.flush()  # acks are published without a reply
+    info = await js.consumer_info(subjects.traj_stream, subjects.trainer_consumer)
+    assert info.num_ack_pending == 0 and info.num_pending == 0  # every episode acked, the flat ones too
+
+
 class _NoAck:
     """A stand-in delivery for train_step's acks (the trajectories here never went through a stream)."""
 

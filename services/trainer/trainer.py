@@ -111,7 +111,9 @@ class Trainer:
         self.seen_episodes: OrderedDict[str, str] = OrderedDict()
         self.in_step: list[Msg] = []  # the messages of the step being taken (acked after it)
         self.vocab_size = _vocab_size(model)
-        self.counters: dict[str, float] = {"train/dead_lettered": 0.0, "train/nonfinite_skipped": 0.0}
+        self.counters: dict[str, float] = {"train/dead_lettered": 0.0, "train/nonfinite_skipped": 0.0,
+                                           "train/flat_groups": 0.0}
+        self.flat: list[Trajectory] = []  # episodes of groups left out since the last step (filter_flat_groups)
         self._step_nonfinite = False
         self._stepped = False  # the optimizer really stepped in this training step
         self.metrics_file = run_dir / "metrics.jsonl"
@@ -307,6 +309,27 @@ class Trainer:
         ready = [g for g in self.groups.values() if g.complete() or now - g.first_seen > self.cfg.group_timeout_s]
         return sorted(ready, key=lambda g: g.first_seen)
 
+    async def drop_flat_groups(self, ready: list[Group]) -> list[Group]:
+        """``trainer.filter_flat_groups``: ack and leave out the ready groups whose trainable episodes all
+        got one reward. Their advantages are all zero: training on them costs a forward and backward pass
+        and adds only zeros to the loss, whose token count they still dilute; a step of flat groups alone
+        changes nothing. Their episodes still count in the next step's per-task success (``flat``)."""
+        keep = []
+        for group in ready:
+            rewards = {t.reward for t, _ in group.items.values() if _rl_trainable(t)}
+            if len(rewards) > 1:
+                keep.append(group)
+                continue
+            del self.groups[group.group_id]
+            self.flat.extend(t for t, _ in group.items.values())
+            self.counters["train/flat_groups"] += 1
+            for _, msg in group.items.values():
+                try:
+                    await retrying("trajectory_ack", msg.ack)
+                except Exception as exc:  # redelivered later, then acked as already seen
+                    log.warning("trajectory_ack_failed", error=repr(exc))
+        return keep
+
     async def keep_held(self, stop: asyncio.Event) -> None:
         """``in_progress`` for every trajectory we hold (waiting groups and the step being taken), every
         quarter of ack_wait: while we live nothing is redelivered; when we die it all is, within ack_wait."""
@@ -336,6 +359,8 @@ class Trainer:
                     await asyncio.sleep(0.5)
                     continue
                 ready = self.ready_groups()
+                if self.cfg.filter_flat_groups and self.cfg.mode == "rl":
+                    ready = await self.drop_flat_groups(ready)
                 if len(ready) >= self.cfg.min_groups:
                     batch = ready[: self.cfg.max_groups]
                     for g in batch:
@@ -351,6 +376,9 @@ class Trainer:
         self.in_step = [m for g in groups for _, m in g.items.values()]
         self._step_nonfinite = self._stepped = False
         stats = await asyncio.to_thread(self._optimise, trajs)
+        if self.flat:  # per-task figures cover every episode the step consumed, left-out flat groups too
+            stats.update({k: v for k, v in self._batch_stats(trajs + self.flat).items() if k.startswith("task/")})
+            self.flat = []
         self.step += 1
         # A version names one set of weights forever: a new one only after a real optimizer step (a batch
         # without signal or with a non-finite loss changed nothing), and recorded before it is announced,
@@ -398,8 +426,7 @@ class Trainer:
             shares = [RankShare("sft", self.step, self.policy_version, trajs=[demos[ordered[p][0]] for p in picks])
                       for picks in dealt]
             return shares, stats | _balance(shares)
-        # Oracle turns (version -1) come from no policy: they have no behaviour logprobs to correct with.
-        usable = [t for t in usable if all(turn.policy_version >= 0 for turn in t.turns)]
+        usable = [t for t in usable if _rl_trainable(t)]
         lag = [self.policy_version - t.min_policy_version for t in usable]
         weights = rl.staleness_weights(lag, [t.task for t in usable], self.cfg.max_staleness,
                                        self.cfg.staleness_mode, self.cfg.staleness_downweight)
@@ -731,6 +758,13 @@ def _positions(marks: list[int]) -> list[int]:
     """Trained positions (token ``t`` scored from the hidden state of ``t - 1``, so never 0), in the
     order ``services.trainer.packing.pack`` lays their logprobs out."""
     return [t for t in range(1, len(marks)) if marks[t]]
+
+
+def _rl_trainable(traj: Trajectory) -> bool:
+    """An RL step trains on a trajectory without an env error, with trained tokens, whose turns all come
+    from a policy: oracle turns (version -1) have no behaviour logprobs to correct with."""
+    return (traj.status != EpisodeStatus.ENV_ERROR and sum(traj.loss_mask) > 0
+            and all(turn.policy_version >= 0 for turn in traj.turns))
 
 
 def _trained_positions(traj: Trajectory) -> list[int]:
