@@ -235,11 +235,14 @@ async def _follow_progress(cfg: JetRLConfig, url: str, sup: Supervisor, stop: as
                 tasks = sorted({k.split("/")[1] for k in r.values if k.startswith("task/") and k.endswith("/success")})
                 per_task = "  ".join(f"{t}: success {r.values[f'task/{t}/success']:.2f} "
                                      f"reward {r.values[f'task/{t}/reward']:.2f}" for t in tasks)
+                # with trainer.filter_flat_groups a step consumes more episodes than it trains on
+                trained = int(r.values.get("train/trajectories", 0))
+                seen = int(sum(r.values.get(f"task/{t}/episodes", 0) for t in tasks))
+                episodes = f"episodes {seen} ({trained} trained)" if seen > trained else f"episodes {trained}"
                 elapsed = time.monotonic() - started
                 eta = elapsed / max(r.step, 1) * max(cfg.trainer.steps - r.step, 0)
                 print(f"{_bar(r.step, cfg.trainer.steps)}  step {r.step}  {per_task}  "
-                      f"loss {r.values.get('train/loss', 0.0):+.4f}  "
-                      f"episodes {int(r.values.get('train/trajectories', 0))}  "
+                      f"loss {r.values.get('train/loss', 0.0):+.4f}  {episodes}  "
                       f"{elapsed:.0f}s  eta {format_duration(eta)}", flush=True)
             except TimeoutError:
                 pass

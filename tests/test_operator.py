@@ -109,7 +109,9 @@ def test_a_long_build_reports_the_megabytes_it_has_written(tmp_path, monkeypatch
     monkeypatch.setenv("JETRL_PROGRESS_EVERY_S", "0.5")
     monkeypatch.setenv("JETRL_PROGRESS", "lines")
     target = tmp_path / "rootfs"
-    script = f"mkdir -p {target} && head -c 3000000 /dev/zero > {target}/a && sleep 2.5 && echo done >&2"
+    # the build is polled every 2 s: 4.5 s give two polls 2 s apart (2.5 s gave one, 0.5 s before the last
+    # set, and the second line came or not by a few milliseconds)
+    script = f"mkdir -p {target} && head -c 3000000 /dev/zero > {target}/a && sleep 4.5 && echo done >&2"
     rc, stderr = _run_with_progress(["sh", "-c", script], target, "os rootfs test", env=dict(os.environ))
     assert rc == 0 and stderr.strip() == "done"
     lines = [x for x in capfd.readouterr().err.splitlines() if x.startswith("os rootfs test")]
