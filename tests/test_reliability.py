@@ -258,11 +258,17 @@ async def test_versions_only_go_up_across_a_restart_and_are_recorded_before_they
 
 
 async def test_flat_groups_are_acked_and_left_out_and_each_step_trains_on_signal(
-        nc, config, subjects, tiny_model: Any, tmp_path: Path) -> None:
+        nc, config, subjects, tiny_model: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """trainer.filter_flat_groups: a group whose episodes all got one reward is acked without training and
     does not count towards min_groups; the step waits for two groups with signal, and its per-task success
-    counts every episode it consumed."""
+    counts every episode it consumed. Groups left out in a row are reported (here every 2nd)."""
     import copy
+
+    from structlog.testing import capture_logs
+
+    from services.trainer import trainer as trainer_module
+
+    monkeypatch.setattr(trainer_module, "FLAT_GROUPS_WARNING", 2)
 
     config.trainer.filter_flat_groups, config.trainer.steps = True, 1
     config.trainer.min_groups = config.trainer.max_groups = 2
@@ -274,9 +280,13 @@ async def test_flat_groups_are_acked_and_left_out_and_each_step_trains_on_signal
             episode = traj([1, 2, 3, 4], [0, 0, 1, 1], [(2, 4)], episode_id=f"{group_id}-{i}", group_id=group_id,
                            reward=reward)
             await js.publish(subjects.traj("db"), encode(episode))
-    await asyncio.wait_for(trainer.run(asyncio.Event()), 120)
+    with capture_logs() as logs:
+        await asyncio.wait_for(trainer.run(asyncio.Event()), 120)
+    (warning,) = [e for e in logs if e["event"] == "no_signal"]
+    assert warning["flat_groups_since_last_step"] == 2 and warning["rewards"] == [0.0]
     (row,) = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert row["train/groups"] == 2 and row["train/trajectories"] == 4 and row["train/flat_groups"] == 2
+    assert trainer.flat == [] and trainer.flat_groups_since_step == 0  # the step took them into its figures
     assert not row.get("train/skipped_update") and row["policy_version"] == 1
     assert row["task/db/episodes"] == 8 and row["task/db/success"] == 0.5  # 4 of the 8 consumed solved
     await nc.flush()  # acks are published without a reply

@@ -57,6 +57,8 @@ from shared.subjects import Subjects
 
 log = structlog.get_logger()
 
+FLAT_GROUPS_WARNING = 16  # filter_flat_groups: a warning every this many groups left out without a step
+
 
 @dataclass
 class Group:
@@ -114,6 +116,7 @@ class Trainer:
         self.counters: dict[str, float] = {"train/dead_lettered": 0.0, "train/nonfinite_skipped": 0.0,
                                            "train/flat_groups": 0.0}
         self.flat: list[Trajectory] = []  # episodes of groups left out since the last step (filter_flat_groups)
+        self.flat_groups_since_step = 0
         self._step_nonfinite = False
         self._stepped = False  # the optimizer really stepped in this training step
         self.metrics_file = run_dir / "metrics.jsonl"
@@ -323,6 +326,11 @@ class Trainer:
             del self.groups[group.group_id]
             self.flat.extend(t for t, _ in group.items.values())
             self.counters["train/flat_groups"] += 1
+            self.flat_groups_since_step += 1
+            if self.flat_groups_since_step % FLAT_GROUPS_WARNING == 0:  # no step comes while this lasts: say why
+                log.warning("no_signal", flat_groups_since_last_step=self.flat_groups_since_step,
+                            rewards=sorted(rewards), hint="every group's episodes got one reward (the tasks are "
+                            "too hard or too easy for the policy); filter_flat_groups waits for groups with signal")
             for _, msg in group.items.values():
                 try:
                     await retrying("trajectory_ack", msg.ack)
@@ -378,7 +386,7 @@ class Trainer:
         stats = await asyncio.to_thread(self._optimise, trajs)
         if self.flat:  # per-task figures cover every episode the step consumed, left-out flat groups too
             stats.update({k: v for k, v in self._batch_stats(trajs + self.flat).items() if k.startswith("task/")})
-            self.flat = []
+            self.flat, self.flat_groups_since_step = [], 0
         self.step += 1
         # A version names one set of weights forever: a new one only after a real optimizer step (a batch
         # without signal or with a non-finite loss changed nothing), and recorded before it is announced,
