@@ -327,7 +327,8 @@ class TrainerConfig:
     minibatches: int = opt(1, "optimizer steps per batch (the proximal policy is fixed for all of them)")
     filter_flat_groups: bool = opt(False, "rl: a group whose episodes all got the same reward (no policy-gradient "
                                           "signal) is acked and left out, and does not count towards min_groups, "
-                                          "so every step trains on groups with signal (DAPO's dynamic sampling)")
+                                          "so every step trains on groups with signal (DAPO's dynamic sampling; "
+                                          "with kl_coef > 0 their KL gradient is left out too)")
     max_staleness: dict[str, int] = opt({}, "task -> most versions a turn may lag ('*' = every task); empty = no bound")
     staleness_mode: str = opt("drop", "beyond the bound: drop the trajectory | downweight its tokens")
     staleness_downweight: float = opt(0.5, "token weight of a too-stale trajectory in downweight mode")
