@@ -22,8 +22,9 @@ the five runs while success rose (not yet understood; docs/benchmarks/learning.m
 
 On an AMD machine with AVX2 only (2 cores, ~15 min a run) the test failed twice, 0.250 -> 0.271 (run by
 a session) and 0.312 -> 0.281 (in CI): in the second, 3 of the 14 steps drew only groups whose 8 episodes
-all failed, so they changed nothing, and other steps trained on one group with signal. Since ``trainer.filter_flat_groups``
-(on in configs/quickstart.toml) such groups are left out and every step trains on two with signal; there:
+all failed, so they changed nothing, and other steps trained on one group with signal. Since
+``trainer.filter_flat_groups`` (on in configs/quickstart.toml) such groups are left out and every step
+trains on two with signal; there:
 
     0.219 -> 0.521 (+30.2 points) [0.888 -> 0.874]  14.9 min  (make test-learning)
     0.250 -> 0.531 (+28.1 points) [0.865 -> 0.873]  14.4 min  (make test-learning)

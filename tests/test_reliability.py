@@ -269,7 +269,6 @@ async def test_flat_groups_are_acked_and_left_out_and_each_step_trains_on_signal
     from services.trainer import trainer as trainer_module
 
     monkeypatch.setattr(trainer_module, "FLAT_GROUPS_WARNING", 2)
-
     config.trainer.filter_flat_groups, config.trainer.steps = True, 1
     config.trainer.min_groups = config.trainer.max_groups = 2
     js = nc.jetstream()
