@@ -41,7 +41,7 @@ from shared.auth import credentials, manages_topology
 from shared.config import NatsConfig
 from shared.digest import new_hasher, split_digest
 from shared.messages import MAX_MESSAGE_BYTES, BadMessage, DeadLetter, Heartbeat, M, MetricsReport, decode, encode, now
-from shared.objectread import ChunkPlan, ObjectReadError, read_chunks
+from shared.objectread import ChunkPlan, ObjectReadError, missing_internals, read_chunks
 from shared.subjects import Subjects
 
 log = structlog.get_logger()
@@ -382,6 +382,18 @@ async def heartbeat_loop(js: JetStreamContext, subjects: Subjects, role: str, re
         await asyncio.sleep(every_s)
 
 
+_slow_read_warned = False  # the fallback below says why once per process, not at every version
+
+
+def _warn_slow_object_read(missing: list[str]) -> None:
+    global _slow_read_warned
+    if not _slow_read_warned:
+        _slow_read_warned = True
+        log.warning("object_read_fallback", missing=missing, hint="this nats-py lacks what shared.objectread reads "
+                    "of its insides: objects are read through ObjectStore.get (slower); pin nats-py to a tested "
+                    "version (pyproject.toml) or update shared/objectread.py")
+
+
 async def read_object(js: JetStreamContext, bucket: str, name: str, window_bytes: int = 32 * 1024**2,
                       expected_digest: str | None = None, into: bytearray | None = None) -> bytearray:
     """Read a whole object-store object fast, into one buffer, checked by one hash pass.
@@ -398,7 +410,10 @@ async def read_object(js: JetStreamContext, bucket: str, name: str, window_bytes
 
     ``into``: a buffer to fill instead of a new one when it has the object's size (the previous version's,
     which nothing may use any more). Fresh memory costs a page fault per 4 KiB on first write: about 0.4 s
-    of CPU for 651 MB here, a third of the read."""
+    of CPU for 651 MB here, a third of the read.
+
+    The fast read uses some of nats-py's private attributes (``shared.objectread.missing_internals``); with a
+    nats-py that lacks them it warns once and reads through ``ObjectStore.get``, checked the same way."""
     store = await js.object_store(bucket)
     info = await store.get_info(name)
     if not info.nuid:
@@ -411,7 +426,15 @@ async def read_object(js: JetStreamContext, bucket: str, name: str, window_bytes
         algorithm, want = "sha256", None
     hasher = new_hasher(algorithm)
     buf = into if into is not None and len(into) == info.size else bytearray(info.size)
-    if info.size:
+    missing = missing_internals(js)
+    if info.size and missing:  # a nats-py without what the fast reader uses: its own (slower) read
+        _warn_slow_object_read(missing)
+        data = (await store.get(name)).data or b""
+        if len(data) != info.size:
+            raise ValueError(f"object {name!r}: got {len(data)} bytes of {info.size}")
+        buf[:] = data
+        hasher.update(buf)
+    elif info.size:
         stream, subject = Subjects.object_stream(bucket), Subjects.object_chunks(bucket, info.nuid)
         consumer = await js.add_consumer(stream, ConsumerConfig(
             ack_policy=AckPolicy.NONE, deliver_policy=DeliverPolicy.ALL, filter_subject=subject,

@@ -33,6 +33,23 @@ _SCRATCH_BYTES = 64 * 1024  # one socket read for protocol lines; payloads bypas
 _PULL_EXPIRES_NS = 60 * 10**9  # a pull request the server has not filled by then answers 408
 
 
+# What of nats-py's insides this module reads (``endpoint_of``, ``_connect_line``; ``shared.bus`` the two of
+# the JetStream context). Not its public API: ``missing_internals`` tells a version without them, and
+# ``shared.bus.read_object`` then reads through nats-py's own ``ObjectStore.get`` instead.
+CLIENT_INTERNALS = ("_current_server", "_server_info", "_auth_configured", "_connect_command")
+JETSTREAM_INTERNALS = ("_prefix", "_nc")
+
+
+def missing_internals(js: Any) -> list[str]:
+    """The private attributes of nats-py that this reader needs and ``js`` (a JetStream context) or its
+    client lack; empty when the fast read can run."""
+    missing = [f"JetStreamContext.{a}" for a in JETSTREAM_INTERNALS if not hasattr(js, a)]
+    nc = getattr(js, "_nc", None)
+    if nc is not None:
+        missing += [f"Client.{a}" for a in CLIENT_INTERNALS if not hasattr(nc, a)]
+    return missing
+
+
 class ObjectReadError(ValueError):
     """The server refused the read, answered with a status, or sent something that is not the object."""
 

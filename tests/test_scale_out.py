@@ -47,6 +47,30 @@ async def test_read_object_bigger_than_the_servers_client_buffer(nc, subjects) -
     assert await read_object(js, subjects.weights_bucket, name, window_bytes=1) == data  # one chunk a batch
 
 
+async def test_read_object_falls_back_to_nats_py_when_its_insides_are_missing(nc, subjects, monkeypatch) -> None:
+    """The fast reader uses private attributes of nats-py; a version without one of them still reads every
+    object (through ObjectStore.get), checks it against the digest, and says why once."""
+    from structlog.testing import capture_logs
+
+    from shared import bus, objectread
+
+    js = nc.jetstream()
+    store = await js.object_store(subjects.weights_bucket)
+    data = os.urandom(3 * 1024**2 + 7)
+    await store.put("obj", data, meta=ObjectMeta(name="obj", options=ObjectMetaOptions(max_chunk_size=1024**2)))
+    assert objectread.missing_internals(js) == []  # the nats-py this project installs has them all
+    monkeypatch.setattr(objectread, "CLIENT_INTERNALS", (*objectread.CLIENT_INTERNALS, "_gone_in_a_new_release"))
+    monkeypatch.setattr(bus, "_slow_read_warned", False)
+    with capture_logs() as logs:
+        assert await read_object(js, subjects.weights_bucket, "obj", expected_digest=digest(data)) == data
+        reused = bytearray(len(data))
+        assert await read_object(js, subjects.weights_bucket, "obj", into=reused) is reused and reused == data
+        with pytest.raises(ValueError, match="digest mismatch"):
+            await read_object(js, subjects.weights_bucket, "obj", expected_digest=digest(data + b"x"))
+    (warning,) = [e for e in logs if e["event"] == "object_read_fallback"]
+    assert warning["missing"] == ["Client._gone_in_a_new_release"]
+
+
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command for a test certificate")
 async def test_read_object_over_tls(tmp_path) -> None:
     """read_object's own connection speaks TLS as the client's does (the server's certificate checked
