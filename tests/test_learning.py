@@ -28,6 +28,7 @@ trains on two with signal; there:
 
     0.219 -> 0.521 (+30.2 points) [0.888 -> 0.874]  14.9 min  (make test-learning)
     0.250 -> 0.531 (+28.1 points) [0.865 -> 0.873]  14.4 min  (make test-learning)
+    0.219 -> 0.469 (+25.0 points) [0.911 -> 0.908]  15.3 min  (make test-learning)
     0.260 -> 0.438 (+17.7 points) [0.899 -> 0.799]  (the RL and its probe only, on a cached warm start)
     0.260 -> 0.500 (+24.0 points) [0.899 -> 0.910]  (the same)
 """
