@@ -71,6 +71,21 @@ class Group:
         return len(self.items) >= self.size
 
 
+@dataclass(frozen=True)
+class EpisodeOutcome:
+    """What a step's per-task figures need of an episode, without its tokens."""
+
+    task: str
+    success: bool
+    reward: float
+    turns: int
+    env_error: bool
+
+    @classmethod
+    def of(cls, traj: Trajectory) -> EpisodeOutcome:
+        return cls(traj.task, traj.success, traj.reward, len(traj.turns), traj.status == EpisodeStatus.ENV_ERROR)
+
+
 @dataclass
 class MicroBatch:
     """One forward/backward pass: a packed micro-batch and, per trained token in its layout, the
@@ -115,7 +130,7 @@ class Trainer:
         self.vocab_size = _vocab_size(model)
         self.counters: dict[str, float] = {"train/dead_lettered": 0.0, "train/nonfinite_skipped": 0.0,
                                            "train/flat_groups": 0.0}
-        self.flat: list[Trajectory] = []  # episodes of groups left out since the last step (filter_flat_groups)
+        self.flat: list[EpisodeOutcome] = []  # episodes of groups left out since the last step
         self.flat_groups_since_step = 0
         self._step_nonfinite = False
         self._stepped = False  # the optimizer really stepped in this training step
@@ -324,7 +339,8 @@ class Trainer:
                 keep.append(group)
                 continue
             del self.groups[group.group_id]
-            self.flat.extend(t for t, _ in group.items.values())
+            # for the step's per-task figures only: a long wait for signal holds outcomes, not whole contexts
+            self.flat.extend(EpisodeOutcome.of(t) for t, _ in group.items.values())
             self.counters["train/flat_groups"] += 1
             self.flat_groups_since_step += 1
             if self.flat_groups_since_step % FLAT_GROUPS_WARNING == 0:  # no step comes while this lasts: say why
@@ -385,7 +401,7 @@ class Trainer:
         self._step_nonfinite = self._stepped = False
         stats = await asyncio.to_thread(self._optimise, trajs)
         if self.flat:  # per-task figures cover every episode the step consumed, left-out flat groups too
-            stats.update({k: v for k, v in self._batch_stats(trajs + self.flat).items() if k.startswith("task/")})
+            stats.update(_task_stats([EpisodeOutcome.of(t) for t in trajs] + self.flat))
             self.flat, self.flat_groups_since_step = [], 0
         self.step += 1
         # A version names one set of weights forever: a new one only after a real optimizer step (a batch
@@ -434,7 +450,7 @@ class Trainer:
             shares = [RankShare("sft", self.step, self.policy_version, trajs=[demos[ordered[p][0]] for p in picks])
                       for picks in dealt]
             return shares, stats | _balance(shares)
-        usable = [t for t in usable if _rl_trainable(t)]
+        usable = [t for t in trajs if _rl_trainable(t)]  # the same rule drop_flat_groups uses
         lag = [self.policy_version - t.min_policy_version for t in usable]
         weights = rl.staleness_weights(lag, [t.task for t in usable], self.cfg.max_staleness,
                                        self.cfg.staleness_mode, self.cfg.staleness_downweight)
@@ -658,15 +674,7 @@ class Trainer:
 
     def _batch_stats(self, trajs: list[Trajectory]) -> dict[str, float]:
         stats: dict[str, float] = {"train/trajectories": float(len(trajs))}
-        by_task: dict[str, list[Trajectory]] = defaultdict(list)
-        for t in trajs:
-            by_task[t.task].append(t)
-        for task, items in sorted(by_task.items()):
-            stats[f"task/{task}/episodes"] = float(len(items))
-            stats[f"task/{task}/success"] = sum(t.success for t in items) / len(items)
-            stats[f"task/{task}/reward"] = sum(t.reward for t in items) / len(items)
-            stats[f"task/{task}/turns"] = sum(len(t.turns) for t in items) / len(items)
-            stats[f"task/{task}/env_errors"] = float(sum(t.status == EpisodeStatus.ENV_ERROR for t in items))
+        stats.update(_task_stats([EpisodeOutcome.of(t) for t in trajs]))
         staleness = [self.policy_version - turn.policy_version for t in trajs for turn in t.turns]
         if staleness:
             stats["train/staleness_mean"] = sum(staleness) / len(staleness)
@@ -766,6 +774,21 @@ def _positions(marks: list[int]) -> list[int]:
     """Trained positions (token ``t`` scored from the hidden state of ``t - 1``, so never 0), in the
     order ``services.trainer.packing.pack`` lays their logprobs out."""
     return [t for t in range(1, len(marks)) if marks[t]]
+
+
+def _task_stats(outcomes: list[EpisodeOutcome]) -> dict[str, float]:
+    """Per task: episodes, success and reward rates, turns per episode, env errors."""
+    by_task: dict[str, list[EpisodeOutcome]] = defaultdict(list)
+    for o in outcomes:
+        by_task[o.task].append(o)
+    stats: dict[str, float] = {}
+    for task, items in sorted(by_task.items()):
+        stats[f"task/{task}/episodes"] = float(len(items))
+        stats[f"task/{task}/success"] = sum(o.success for o in items) / len(items)
+        stats[f"task/{task}/reward"] = sum(o.reward for o in items) / len(items)
+        stats[f"task/{task}/turns"] = sum(o.turns for o in items) / len(items)
+        stats[f"task/{task}/env_errors"] = float(sum(o.env_error for o in items))
+    return stats
 
 
 def _rl_trainable(traj: Trajectory) -> bool:
