@@ -10,6 +10,7 @@
     jetrl probe [--config FILE] [...]   # eval, greedy and sampled, per task / level / kind
     jetrl watch [--run-dir DIR | --url NATS_URL --prefix P] [--task T] [--events]
     jetrl status [--run-dir DIR]
+    jetrl export [--run-dir DIR | --url NATS_URL --prefix P] -o FILE.parquet|.jsonl [filters]   # docs/data.md
     jetrl config [--task T]   # every config key with its default and help; with a task, only
                               # what its env service reads: [env] and [env.<task>]
     jetrl topology [--config FILE]   # declare streams and buckets as the NATS admin (compose)
@@ -666,6 +667,9 @@ def main(argv: list[str] | None = None) -> int:
     secrets_cmd = sub.add_parser("secrets", help="random NATS passwords per role and a status API token, as an "
                                                  "env file for compose")
     secrets_cmd.add_argument("--env", default="compose/.env", help="env file to write (kept if it exists)")
+    from jetrl import export
+    export.add_arguments(sub.add_parser("export", help="a run's trajectories as a dataset file (Parquet or JSONL, "
+                                                       "the Hugging Face chat format), filtered"))
     args, rest = parser.parse_known_args(argv)
     setup_logging("cli", level="warning")  # the CLI prints its own lines; services log to their files
     if args.command in MODE_DEFAULTS:
@@ -678,6 +682,8 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_quickstart(args, rest)
     if args.command == "topology":
         return cmd_topology(args, rest)
+    if args.command == "export":
+        return export.cmd_export(args, rest)
     if rest:
         parser.error(f"unrecognised arguments: {rest}")
     if args.command == "secrets":
