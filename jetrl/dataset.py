@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+from jetrl.errors import CliError
 from shared.messages import Trajectory
 
 ROW_GROUP_BYTES = 8 * 1024 * 1024
@@ -194,7 +195,7 @@ class Conversation:
     task_id: str = ""
 
 
-class DatasetError(ValueError):
+class DatasetError(CliError, ValueError):
     """A dataset row that is not a chat conversation: the message names the row and the field."""
 
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from jetrl.dataset import FORMATS, RowWriter, encoded_size, format_of, trajectory_row
+from jetrl.errors import CliError
 from jetrl.streams import RunAccess, TrajectoryStream, open_run
 from shared.config import load_config
 from shared.messages import Trajectory
@@ -73,7 +74,7 @@ def parse_time(text: str | None) -> float | None:
     try:
         when = dt.datetime.fromisoformat(text)
     except ValueError:
-        raise SystemExit(f"jetrl export: {text!r} is neither unix seconds nor an ISO 8601 time") from None
+        raise CliError(f"jetrl export: {text!r} is neither unix seconds nor an ISO 8601 time") from None
     return (when if when.tzinfo else when.replace(tzinfo=dt.UTC)).timestamp()
 
 
@@ -132,12 +133,12 @@ def cmd_export(args: argparse.Namespace, overrides: Sequence[str]) -> int:
     try:
         fmt = format_of(out, args.format)
     except ValueError as exc:
-        raise SystemExit(f"jetrl export: {exc}") from None
+        raise CliError(f"jetrl export: {exc}") from None
     if fmt == "parquet":
         try:
             import pyarrow  # noqa: F401
         except ImportError:
-            raise SystemExit("jetrl export: Parquet needs pyarrow (pip install 'jetrl[data]'), or write .jsonl") from None
+            raise CliError("jetrl export: Parquet needs pyarrow (pip install 'jetrl[data]'), or write .jsonl") from None
     keep = TrajectoryFilter(tasks=args.task, splits=args.split, statuses=args.status, min_reward=args.min_reward,
                             max_reward=args.max_reward, min_policy_version=args.min_policy_version,
                             max_policy_version=args.max_policy_version, since=parse_time(args.since),

@@ -36,6 +36,7 @@ from nats.aio.client import Client
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
+from jetrl.errors import CliError
 from shared.auth import generate_passwords, server_authorization
 from shared.bus import connect
 from shared.config import NatsConfig, load_config
@@ -245,7 +246,7 @@ def open_run(run_dir: str | Path, overrides: Sequence[str] = ()) -> Iterator[Run
     run_dir = Path(run_dir)
     url_file, config_file = run_dir / "nats.url", run_dir / "config.toml"
     if not url_file.is_file() or not config_file.is_file():
-        raise FileNotFoundError(f"{run_dir} is not a run directory (no nats.url or config.toml): give --run-dir "
+        raise CliError(f"{run_dir} is not a run directory (no nats.url or config.toml): give --run-dir "
                                 "of a jetrl up / sft / eval run, or --url and --prefix")
     url, prefix = url_file.read_text().split()[:2]
     cfg = load_config(config_file, list(overrides))
