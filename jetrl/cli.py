@@ -11,6 +11,7 @@
     jetrl watch [--run-dir DIR | --url NATS_URL --prefix P] [--task T] [--events]
     jetrl status [--run-dir DIR]
     jetrl creds observer [--run-dir DIR]   # read-only NATS credentials for outside readers (context file, URL)
+    jetrl export [--run-dir DIR | --url NATS_URL --prefix P] -o FILE.parquet|.jsonl [filters]   # docs/data.md
     jetrl config [--task T]   # every config key with its default and help; with a task, only
                               # what its env service reads: [env] and [env.<task>]
     jetrl topology [--config FILE]   # declare streams and buckets as the NATS admin (compose)
@@ -47,6 +48,8 @@ import structlog
 
 from jetrl.access import close_status_api, cmd_creds, dashboard_link
 from jetrl.errors import CliError, run_cli
+from jetrl.export import add_arguments as add_export_arguments
+from jetrl.export import cmd_export
 from jetrl.outcome import RunOutcome
 from jetrl.preflight import check_config
 from jetrl.schema import add_arguments as add_schema_arguments
@@ -409,7 +412,7 @@ def cmd_up(args: argparse.Namespace, overrides: list[str], mode: str = "up") -> 
     close_status_api(cfg, run_dir)  # a token per run, in a 0600 file: the config names the file only
     config_path = run_dir / "config.toml"
     save_config(cfg, config_path)  # before nats.url: `jetrl watch` reads the credentials' place from it
-    (run_dir / "nats.url").write_text(f"{cfg.nats.url}\n")  # the URL alone; the prefix is in config.toml
+    (run_dir / "nats.url").write_text(f"{cfg.nats.url}\n{cfg.nats.prefix}\n")  # outside tools: jetrl creds observer
     print(f"jetrl {mode}: run directory {run_dir}, NATS {cfg.nats.url} (prefix {cfg.nats.prefix})", flush=True)
     print(f"jetrl {mode}: watch live episodes with `jetrl watch --run-dir {run_dir} --events`", flush=True)
     sup = Supervisor(cfg, config_path, run_dir, server)
@@ -718,6 +721,8 @@ def _main(argv: list[str]) -> int:
     schema = sub.add_parser("schema", help="the message schemas (JSON Schema) and the env protocol's field "
                                            "tables, from shared/messages.py; --check: fail if out of date")
     add_schema_arguments(schema)
+    add_export_arguments(sub.add_parser("export", help="a run's trajectories as a dataset file (Parquet or JSONL, "
+                                                      "the Hugging Face chat format), filtered"))
     args, rest = parser.parse_known_args(argv)
     setup_logging("cli", level="warning")  # the CLI prints its own lines; services log to their files
     if args.command in MODE_DEFAULTS:
@@ -730,6 +735,8 @@ def _main(argv: list[str]) -> int:
         return cmd_quickstart(args, rest)
     if args.command == "topology":
         return cmd_topology(args, rest)
+    if args.command == "export":
+        return cmd_export(args, rest)
     if rest:
         parser.error(f"unrecognised arguments: {rest}")
     if args.command == "secrets":

@@ -43,7 +43,7 @@ def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
                                                                                      generate_passwords(auth_dir)))
     cfg.nats.url, cfg.nats.auth_dir = server.start(), str(auth_dir)
     save_config(cfg, run / "config.toml")
-    (run / "nats.url").write_text(cfg.nats.url + "\n")
+    (run / "nats.url").write_text(f"{cfg.nats.url}\n{cfg.nats.prefix}\n")
 
     async def publish() -> None:
         admin = await connect(cfg.nats, "pytest-admin", role="admin")
@@ -80,7 +80,7 @@ def test_jetrl_creds_writes_a_private_context_file_and_prints_a_url(run_dir, con
     path, lines = context
     ctx = json.loads(path.read_text())
     password = (run_dir / "nats" / "auth" / "observer.password").read_text().strip()
-    url = (run_dir / "nats.url").read_text().strip()
+    url = (run_dir / "nats.url").read_text().split()[0]
     assert ctx["user"] == "observer" and ctx["password"] == password and ctx["inbox_prefix"] == "_INBOX_observer"
     assert ctx["url"] == url and ctx["jetrl_traj_subject"].endswith(".traj.>")
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
