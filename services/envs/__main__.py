@@ -32,7 +32,7 @@ async def main(argv: list[str]) -> None:
     if task not in TASK_MODULES:
         raise SystemExit(f"unknown task {task!r}; known: {', '.join(TASK_MODULES)}")
     cfg.env.task = check_token(task, "task")
-    replica_id = replica_name(f"env-{task}")
+    replica_id = replica_name(f"env-{task}", cfg.nats)
     log = setup_logging(f"env-{task}", replica_id, cfg.run.log_level, cfg.run.log_format)
     subjects = Subjects(cfg.nats.prefix)
     stop = asyncio.Event()

@@ -23,6 +23,7 @@ from shared.config import JetRLConfig, from_argv
 from shared.lifecycle import close_connection, exit_code, forward_signals, install_stop, run, stop_if_connection_closed
 from shared.log import setup_logging
 from shared.model import load_tokenizer, quiet_transformers, resolve_model
+from shared.signing import verifier_for
 from shared.subjects import Subjects
 
 
@@ -47,7 +48,7 @@ class EngineHandoff:
 
 async def main(argv: list[str], handoff: EngineHandoff | None = None) -> None:
     cfg, _ = from_argv(argv)
-    replica_id = replica_name("rollout")
+    replica_id = replica_name("rollout", cfg.nats)
     log = setup_logging("rollout", replica_id, cfg.run.log_level, cfg.run.log_format)
     subjects = Subjects(cfg.nats.prefix)
     stop = asyncio.Event()
@@ -94,6 +95,7 @@ async def main(argv: list[str], handoff: EngineHandoff | None = None) -> None:
         worker = RolloutWorker(nc, js, subjects, cfg.rollout, engine, tokenizer, replica_id, model_path,
                                tasks=list(cfg.controller.tasks))
         worker.creates_durables = manages_topology(cfg.nats, "rollout")
+        worker.trainer_verifier = verifier_for(cfg.nats, "trainer")
         if worker.chat_api is not None:
             stack.push_async_callback(worker.chat_api.close)
         jobs = [worker.report_metrics(), heartbeat_loop(js, subjects, "rollout", replica_id, {
