@@ -5,13 +5,14 @@
     jetrl sft [--config FILE] [...]     # warm start on oracle demonstrations -> <run>/model
     jetrl eval [--config FILE] [...]    # test split, greedy, per-task report -> <run>/eval.json
     jetrl eval --engine openai --base-url URL --model NAME   # the same, any OpenAI-compatible server
-    jetrl eval --suite bfcl [...]       # BFCL's offline categories, per-category accuracy
+    jetrl eval --suite TASK [...]       # one task alone (an eval-only benchmark task), per-category accuracy
     jetrl serve [--config FILE] [...]   # the policy over the OpenAI API, following weight broadcasts
     jetrl probe [--config FILE] [...]   # eval, greedy and sampled, per task / level / kind
     jetrl watch [--run-dir DIR | --url NATS_URL --prefix P] [--task T] [--events]
     jetrl status [--run-dir DIR]
     jetrl config [--task T]   # every config key with its default and help; with a task, only
                               # what its env service reads: [env] and [env.<task>]
+    jetrl env-check TASK [--config FILE]   # a task's env against the env contract: oracle, bad calls, cancel
     jetrl topology [--config FILE]   # declare streams and buckets as the NATS admin (compose)
     jetrl secrets [--env compose/.env]   # per-role NATS passwords + status API token for compose
 
@@ -46,18 +47,21 @@ from shared.auth import (
     CLUSTER_PASSWORD_ENV,
     ROLES,
     controller_token,
+    credentials,
     env_password,
     generate_passwords,
     password_env_var,
+    password_file,
     server_authorization,
 )
 from shared.bus import connect, declare_topology
-from shared.config import TASKS, JetRLConfig, describe, load_config, save_config
+from shared.config import ConfigError, JetRLConfig, describe, load_config, save_config
 from shared.log import setup_logging
 from shared.messages import ActionEvent, BadMessage, MetricsReport, ObservationEvent, Trajectory, decode, encode
 from shared.natsd import EmbeddedNats
 from shared.progress import Progress, format_duration
 from shared.subjects import Subjects
+from shared.tasks import ExternalEnv, TaskSource, check_sections, find_task, known_tasks
 
 log = structlog.get_logger()
 
@@ -78,6 +82,11 @@ class Child:
 
     module_args: list[str]
     overrides: list[str]
+    command: list[str] | None = None
+    """An external program (``[env.<task>] command``) run as it is, instead of ``python -m <module_args>``."""
+    environ: dict[str, str] | None = None
+    """Variables set for it on top of this process's environment (shared/tasks.py: ExternalEnv)."""
+    cwd: str | None = None
     restarts: int = 0
     started_at: float = 0.0  # monotonic time of its latest start
     failing: int = 0  # deaths in a row, each within crash_window_s of its start
@@ -105,16 +114,18 @@ class Supervisor:
         self.restarts: dict[str, int] = {}
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
 
-    def spawn(self, name: str, module_args: list[str], overrides: list[str] | None = None) -> None:
-        child = self.children.setdefault(name, Child(module_args, list(overrides or [])))
+    def spawn(self, name: str, module_args: list[str], overrides: list[str] | None = None,
+              command: list[str] | None = None, environ: dict[str, str] | None = None, cwd: str | None = None) -> None:
+        child = self.children.setdefault(name, Child(module_args, list(overrides or []), command, environ, cwd))
         log = open(self.run_dir / "logs" / f"{name}.log", "ab")
         if child.restarts:
             log.write(f"=== jetrl up: restart {child.restarts} of {name} (last exit {child.last_rc}) ===\n".encode())
             log.flush()
         child.started_at = time.monotonic()
-        cmd = [sys.executable, "-m", *child.module_args, "--config", str(self.config_path), *child.overrides]
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        self.procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+        cmd = child.command or [sys.executable, "-m", *child.module_args, "--config", str(self.config_path),
+                                *child.overrides]
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **(child.environ or {}))
+        self.procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=child.cwd,
                                             start_new_session=True, preexec_fn=_die_with_parent)
         log.close()
 
@@ -148,7 +159,7 @@ class Supervisor:
             elif now >= child.restart_at:
                 child.restart_at = None
                 child.restarts += 1
-                self.spawn(name, child.module_args, child.overrides)
+                self.spawn(name, child.module_args, child.overrides, child.command, child.environ, child.cwd)
                 done.append(self._count(name))
         return done
 
@@ -357,9 +368,43 @@ def trainer_command(ranks: int, torch_threads: int) -> tuple[list[str], list[str
             ["--trainer.backend=deepspeed", f"--trainer.torch_threads={max(1, torch_threads // ranks)}"])
 
 
+def run_tasks(cfg: JetRLConfig, mode: str) -> dict[str, TaskSource]:
+    """The tasks of the mix and where each comes from, every [env.<task>] checked: a missing task or a bad
+    setting stops ``jetrl up`` here, before anything starts, with the one line that says what is wrong."""
+    tasks = [task for task, share in cfg.controller.tasks.items() if share > 0]
+    try:
+        if not tasks:
+            raise ConfigError("no task to run: set controller.tasks (e.g. --controller.tasks='{\"TASK\": 1}', or "
+                              f"[controller] tasks = {{ TASK = 1.0 }} in a config); known tasks: "
+                              f"{', '.join(known_tasks(cfg.env)) or 'none'}")
+        if cfg.env.factory:
+            raise ConfigError("env.factory names the make_env of one env replica (python -m services.envs TASK "
+                              "--env.factory=...); a run names each task's: [env.<task>] factory = ...")
+        sources = {task: find_task(task, cfg.env) for task in tasks}
+        check_sections(cfg.env, tasks)
+    except ConfigError as exc:
+        raise SystemExit(f"jetrl {mode}: {exc}") from None
+    return sources
+
+
+def spawn_env(sup: Supervisor, cfg: JetRLConfig, source: TaskSource, replica: int, cwd: str) -> None:
+    """One replica of a task's env: ``python -m services.envs TASK``, or the task's own program (``command``)
+    with the variables of ``ExternalEnv``, started in ``cwd`` (the config's directory)."""
+    name = f"env-{source.task}-{replica}"
+    if not source.command:
+        sup.spawn(name, ["services.envs", source.task])
+        return
+    told = ExternalEnv(nats_url=cfg.nats.url, nats_user=credentials(cfg.nats, "env").user,
+                       nats_password_file=password_file(cfg.nats, "env"), nats_prefix=cfg.nats.prefix,
+                       task=source.task, replica_id=name, heartbeat_ttl_s=cfg.controller.heartbeat_ttl_s)
+    sup.spawn(name, [], command=list(source.command), environ=told.environ(), cwd=cwd)
+
+
 def cmd_up(args: argparse.Namespace, overrides: list[str], mode: str = "up") -> int:
     cfg = load_config(args.config, MODE_DEFAULTS[mode] + eval_overrides(args) + overrides)
     trainer_command(getattr(args, "trainer_ranks", 1), cfg.trainer.torch_threads)  # a bad --trainer-ranks: say so first
+    sources = run_tasks(cfg, mode)
+    command_dir = str(Path(args.config).resolve().parent) if args.config else os.getcwd()
     run_dir = Path(cfg.run.dir).resolve()
     if not getattr(args, "resume", False):
         _keep_earlier_run(run_dir, mode)
@@ -392,10 +437,9 @@ def cmd_up(args: argparse.Namespace, overrides: list[str], mode: str = "up") -> 
     stop = asyncio.Event()
     rc = 1
     try:
-        for task, share in cfg.controller.tasks.items():
-            if share > 0:
-                for i in range(args.env_replicas):
-                    sup.spawn(f"env-{task}-{i}", ["services.envs", task])
+        for source in sources.values():
+            for i in range(args.env_replicas):
+                spawn_env(sup, cfg, source, i, command_dir)
         for i in range(args.rollouts):
             sup.spawn(f"rollout-{i}", ["services.rollout"])
         for i in range(args.stale_engines):  # generation-only pool members on old weights (AgentRL)
@@ -638,7 +682,8 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("--engine", default=None, help="rollout.engine: continuous | hf | vllm | openai")
             p.add_argument("--base-url", default=None, help="openai engine: the server, e.g. http://host:8001/v1")
             p.add_argument("--model", default=None, help="openai engine: the model name the server knows")
-            p.add_argument("--suite", default=None, help="a task suite instead of controller.tasks (bfcl)")
+            p.add_argument("--suite", default=None, help="one task alone instead of controller.tasks (an "
+                                                          "eval-only benchmark task)")
     serve = sub.add_parser("serve", help="the policy over the OpenAI chat-completions API, following weight "
                                          "broadcasts (--config of a running training run)")
     serve.add_argument("--config", default=None)
@@ -658,8 +703,9 @@ def main(argv: list[str] | None = None) -> int:
     status = sub.add_parser("status", help="the controller's /status of a run")
     status.add_argument("--run-dir", default="runs/latest")
     config = sub.add_parser("config", help="every config key with its default and help")
-    config.add_argument("--task", choices=TASKS, default=None,
-                        help="only what this task's env service reads: [env] and [env.<task>]")
+    config.add_argument("--task", default=None, help="only what this task's env service reads: [env] and "
+                                                     "[env.<task>] (any registered task)")
+    config.add_argument("--config", default=None, help="a config whose [env.<task>] factory names the task")
     topology = sub.add_parser("topology", help="declare every stream and bucket as the NATS admin user "
                                                 "(authenticated servers: the services wait for it)")
     topology.add_argument("--config", default=None)
@@ -686,7 +732,10 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_watch(args)
     if args.command == "status":
         return cmd_status(args)
-    print(describe(args.task))
+    try:
+        print(describe(args.task, load_config(args.config).env))
+    except ConfigError as exc:
+        raise SystemExit(f"jetrl config: {exc}") from None
     return 0
 
 

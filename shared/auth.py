@@ -31,7 +31,7 @@ import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shared.config import TASKS, ControllerConfig, NatsConfig
+from shared.config import ControllerConfig, NatsConfig
 from shared.subjects import Subjects
 
 ROLES = ("admin", "trainer", "controller", "rollout", "env", "observer")
@@ -138,15 +138,15 @@ def role_permissions(subjects: Subjects, role: str) -> Permissions:
         sub += [s.metrics(">"), s.weights_published, s.training_finished, s.run_control, "$JS.EVENT.ADVISORY.>"]
     elif role == "rollout":
         pub += [*s.episode_stream_subjects, s.traj(">"), s.metrics("rollout"),
-                f"{s.prefix}.env.>", f"{s.prefix}.gen.>", *_durable(s.jobs_stream, s.rollout_consumer),
-                *(p for t in TASKS for p in _durable(s.jobs_stream, s.rollout_lane_consumer(t))),  # per-task lanes
+                # JOBS' consumers, any name: the shared one and one per task lane (rollout.task_concurrency), for
+                # any task; the rollout is JOBS' only reader
+                f"{s.prefix}.env.>", f"{s.prefix}.gen.>", *_durable(s.jobs_stream, "*"),
                 *_stream_read(kv_policy), *_ephemeral_consumers(kv_policy),  # the policy KV: read and watch
                 *_stream_read(obj_weights), *_ephemeral_consumers(obj_weights)]
         # a job out of deliveries (the server's advisory): read it back, dead-letter it, delete it (worker.py)
         pub += [f"{API}.STREAM.MSG.GET.{s.jobs_stream}", f"{API}.STREAM.MSG.DELETE.{s.jobs_stream}"]
         sub += [s.weights_published, s.training_finished, f"{s.prefix}.gen.>", "$SRV.>",
-                s.max_deliveries_advisory(s.jobs_stream, s.rollout_consumer),
-                *(s.max_deliveries_advisory(s.jobs_stream, s.rollout_lane_consumer(t)) for t in TASKS)]
+                s.max_deliveries_advisory(s.jobs_stream, "*")]
     elif role == "env":
         sub += [f"{s.prefix}.env.>", "$SRV.>"]
     return Permissions(publish=tuple(pub), subscribe=tuple(sub))
@@ -234,6 +234,21 @@ def credentials(cfg: NatsConfig, role: str | None) -> Credentials:
         password = _read_secret(Path(cfg.auth_dir) / f"{role}.password", "nats.auth_dir")
         return Credentials(user=role, password=password, inbox_prefix=inbox_prefix(role))
     return Credentials()
+
+
+def password_file(cfg: NatsConfig, role: str) -> str:
+    """The file holding ``role``'s password, for a program that reads it itself (an external env: shared/tasks.py);
+    empty on an open server. A password given only inline (``nats.password``) has no file: refused."""
+    if cfg.creds_file:
+        raise AuthError("nats.creds_file: an external program gets a user and a password file, not a creds file")
+    if cfg.user:
+        if not cfg.password_file:
+            raise AuthError("nats.password: an external program reads its password from a file: set "
+                            "nats.password_file instead")
+        return cfg.password_file
+    if cfg.auth_dir:
+        return str(Path(cfg.auth_dir) / f"{credentials(cfg, role).user}.password")
+    return ""
 
 
 def manages_topology(cfg: NatsConfig, role: str | None) -> bool:

@@ -1,6 +1,6 @@
 """Progress with an ETA for long commands: a bar on a terminal, periodic log lines otherwise.
 
-    with Progress("eval db", total=40, unit="episodes") as bar:
+    with Progress("eval", total=40, unit="episodes") as bar:
         for ...:
             bar.update()          # or bar.set(done)
 

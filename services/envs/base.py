@@ -1,7 +1,9 @@
 """What a task environment implements. The host (``host.py``) turns any of these into a NATS micro
 service speaking the unified function-call API; a task module only knows its own world.
 
-A task module (``services/envs/<task>.py`` or a package) exposes ``make_env(cfg: EnvConfig) -> TaskEnv``.
+A task module (a package under ``services/envs/`` or a plugin's) exposes ``make_env(cfg: EnvConfig) -> TaskEnv``,
+found by the task registry (shared/tasks.py: a ``jetrl.envs`` entry point or ``[env.<task>] factory``), and
+may declare its ``[env.<task>]`` settings as a dataclass ``Config`` beside it (read as ``cfg.section(task)``).
 
 * ``TaskEnv`` owns the task set (train/test splits, deterministic by seed) and opens episodes.
 * ``Episode`` is one session: its opening messages, its tools (OpenAI function schemas), and

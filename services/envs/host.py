@@ -74,7 +74,7 @@ class WorkerPool:
     with no trip through the event loop between two calls. A call still running ``spill_after_s`` after
     it started (a slow query, a command in a sandbox) no longer counts as a lane: another thread takes
     up the queue while it goes on, and its thread leaves once it ends (or takes a lane back if one is
-    free). Quick calls are the common case (a db episode's calls take 0.1-1.5 ms) and mostly hold the
+    free). Quick calls are the common case (a SQL episode's calls take 0.1-1.5 ms) and mostly hold the
     GIL: threads running them beside each other take turns on it at every SQLite step, and with 32 such
     threads a replica did half the work per CPU second that one thread did (docs/benchmarks/env_host.md).
 
@@ -419,7 +419,7 @@ class EnvHost:
 
     def _truncate(self, content: str) -> str:
         """Every observation, error text included (it may echo a huge argument), within the limit
-        (the task's own where its section overrides env.max_observation_chars: webshop, alfworld)."""
+        (the task's own where its section overrides env.max_observation_chars)."""
         limit = self.cfg.task_value(self.task, "max_observation_chars")
         if len(content) <= limit:
             return content
