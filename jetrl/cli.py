@@ -706,6 +706,13 @@ def main(argv: list[str] | None = None) -> int:
     config.add_argument("--task", default=None, help="only what this task's env service reads: [env] and "
                                                      "[env.<task>] (any registered task)")
     config.add_argument("--config", default=None, help="a config whose [env.<task>] factory names the task")
+    env_check = sub.add_parser("env-check", help="check a task's env against the env contract (oracle per split, bad "
+                                                 "calls, cancel, health) over a real nats-server; exit 1 on a failure")
+    env_check.add_argument("task")
+    env_check.add_argument("--config", default=None)
+    env_check.add_argument("--episodes", type=int, default=2, help="oracle episodes per split")
+    env_check.add_argument("--wait", type=float, default=600.0,
+                           help="seconds to wait for the env to answer (a first start may build its task data)")
     topology = sub.add_parser("topology", help="declare every stream and bucket as the NATS admin user "
                                                 "(authenticated servers: the services wait for it)")
     topology.add_argument("--config", default=None)
@@ -724,6 +731,10 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_quickstart(args, rest)
     if args.command == "topology":
         return cmd_topology(args, rest)
+    if args.command == "env-check":
+        from jetrl.envcheck import cmd_env_check
+
+        return cmd_env_check(args.task, args.config, rest, args.episodes, args.wait)
     if rest:
         parser.error(f"unrecognised arguments: {rest}")
     if args.command == "secrets":

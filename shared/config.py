@@ -5,7 +5,7 @@ Every field has a type, a default and a one-line help (``jetrl config`` prints t
 Unknown keys and values of the wrong type are refused with a message naming the key.
 
 The env section nests one level: generic keys in ``[env]``, each task's own in ``[env.<task>]``
-(``[env.db] levels``, ``JETRL__ENV__DB__LEVELS``, ``--env.db.levels``). A task section is kept as given and
+(``[env.<task>] levels``, ``JETRL__ENV__<TASK>__LEVELS``, ``--env.<task>.levels``). A task section is kept as given and
 read by the task's own settings class, which only its plugin knows (shared/tasks.py), where the task is
 served: unknown keys and wrong types are refused there, naming the key. A task section overrides a generic
 key only where ``EnvConfig.TASK_OVERRIDES`` allows it.
@@ -312,7 +312,7 @@ class ControllerConfig:
     http_token: str = opt("", "bearer token the status API requires (Authorization: Bearer ...); empty = none")
     http_token_file: str = opt("", "file holding http_token (a Docker secret), instead of http_token")
     env_wait_s: float = opt(120.0, "wait this long for each task's env service to list its tasks before failing "
-                                   "(a first start may build task data: KG ~2-4 min on 2 busy cores)")
+                                   "(a first start may build task data: minutes for a generated knowledge graph on 2 busy cores)")
 
 
 @dataclass
@@ -424,7 +424,7 @@ def _keys(section: Any) -> dict[str, Any]:
 
 
 def _apply(cfg: JetRLConfig, path: list[str], value: Any, source: str) -> None:
-    """Set the key at ``path`` (["env", "db", "levels"]), walking down the sections. ``source`` is
+    """Set the key at ``path`` (["env", "<task>", "levels"]), walking down the sections. ``source`` is
     "file" (value already typed by TOML), "env var" or "flag" (value is text to parse)."""
     node: Any = cfg
     for depth, name in enumerate(path):
@@ -479,7 +479,7 @@ def _apply_task_key(env: EnvConfig, path: list[str], value: Any, source: str) ->
 def load_config(path: str | os.PathLike[str] | None = None, overrides: list[str] | None = None,
                 environ: dict[str, str] | None = None) -> JetRLConfig:
     """File, then env vars ``JETRL__SECTION__KEY`` (``JETRL__ENV__DB__LEVELS``), then
-    ``section.key=value`` overrides (``env.db.levels=1,2``)."""
+    ``section.key=value`` overrides (``env.<task>.levels=1,2``)."""
     cfg = JetRLConfig()
     if path:
         with open(path, "rb") as fh:

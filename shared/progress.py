@@ -4,7 +4,7 @@
         for ...:
             bar.update()          # or bar.set(done)
 
-    results = list(track(pool.map(run, ids), "os tasks", total=len(ids), unit="tasks"))
+    results = list(track(pool.map(run, ids), "tasks", total=len(ids), unit="tasks"))
 
 On a TTY one line is redrawn in place (at most 10 times a second); anywhere else (a log file, CI,
 a pipe) a plain line is written every ``every_s`` seconds and at the end, so a 14-minute command

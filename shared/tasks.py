@@ -13,7 +13,7 @@ A task is found by name, in this order:
 ``make_env(env: EnvConfig) -> TaskEnv`` builds the task's env. Its settings: when the module named in the
 factory (``pkg.mod``) defines a dataclass ``Config``, ``[env.T]`` is read into an instance of it (unknown
 keys refused, types checked, as for every other section) and ``make_env`` reads it as ``env.section(T)``
-(built-in code writes ``env.db``); a task without one gets the table as a dict. ``factory`` and ``command``
+(built-in code writes ``env.<task>``); a task without one gets the table as a dict. ``factory`` and ``command``
 are reserved keys of every task section, never settings. Nothing here knows a task by name.
 """
 

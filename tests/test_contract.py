@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib
-import re
 import subprocess
 import sys
 import typing
@@ -266,7 +265,7 @@ def test_config_task_sections_in_every_form(tmp_path) -> None:
     with pytest.raises(ConfigError, match=r"unknown config key env\.db .*a task section needs keys below it"):
         load_config(None, ["env.db=1"], environ={})
     with pytest.raises(ConfigError, match=r"env\.db\.levels\[\]: expected int, got .one."):
-        load_config(None, environ={"JETRL__ENV__DB__LEVELS": '["one"]'}).env.db
+        load_config(None, environ={"JETRL__ENV__DB__LEVELS": '["one"]'}).env.section("db")
     with pytest.raises(ConfigError, match=r"unknown config key env\.max_sesions"):
         load_config(None, ["env.max_sesions=3"], environ={})
 
