@@ -14,12 +14,12 @@ key only where ``EnvConfig.TASK_OVERRIDES`` allows it.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import os
 import tomllib
 import typing
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, ClassVar
 
 
@@ -27,11 +27,13 @@ class ConfigError(ValueError):
     pass
 
 
-def opt(default: Any, help: str) -> Any:
-    """A config field: its default and its one-line help."""
+def opt(default: Any, help: str, path: bool = False) -> Any:
+    """A config field: its default and its one-line help; ``path``: it names a file (or a list of files or
+    globs) that must exist when set, which ``jetrl up`` checks before it starts anything."""
+    metadata = {"help": help, "path": path}
     if isinstance(default, (dict, list)):
-        return field(default_factory=lambda: json.loads(json.dumps(default)), metadata={"help": help})
-    return field(default=default, metadata={"help": help})
+        return field(default_factory=lambda: json.loads(json.dumps(default)), metadata=metadata)
+    return field(default=default, metadata=metadata)
 
 
 @dataclass
@@ -311,8 +313,9 @@ class ControllerConfig:
     heartbeat_ttl_s: float = opt(10.0, "a replica missing heartbeats this long is dropped from the registry")
     http_token: str = opt("", "bearer token the status API requires (Authorization: Bearer ...); empty = none")
     http_token_file: str = opt("", "file holding http_token (a Docker secret), instead of http_token")
-    env_wait_s: float = opt(120.0, "wait this long for each task's env service to list its tasks before failing "
-                                   "(a first start may build task data: minutes for a generated knowledge graph on 2 busy cores)")
+    env_wait_s: float = opt(120.0, "wait this long for each task's env service to list its tasks before failing; "
+                                   "a replica whose heartbeat says it is building its task data (a generated knowledge "
+                                   "graph: ~2-4 min on 2 busy cores) is waited for as long as it builds")
 
 
 @dataclass
@@ -434,9 +437,11 @@ def _apply(cfg: JetRLConfig, path: list[str], value: Any, source: str) -> None:
             if isinstance(node, EnvConfig):  # [env.<task>]: kept as given, read by the task's plugin
                 _apply_task_key(node, path, value, source)
                 return
+            near = difflib.get_close_matches(name, list(keys), n=1, cutoff=0.6)
+            hint = f"did you mean {'.'.join([*path[:depth], near[0]])}?" if near else f"known: {', '.join(sorted(keys))}"
             if depth == 0:
-                raise ConfigError(f"unknown config section {name!r} (known: {list(keys)})")
-            raise ConfigError(f"unknown config key {dotted} (known: {sorted(keys)})")
+                raise ConfigError(f"unknown config section {name!r} ({hint})")
+            raise ConfigError(f"unknown config key {dotted} ({hint})")
         hint = keys[name]
         if dataclasses.is_dataclass(hint):  # a section: go down, or take a TOML table key by key
             if depth + 1 < len(path):
@@ -466,9 +471,10 @@ def _apply_task_key(env: EnvConfig, path: list[str], value: Any, source: str) ->
             _apply_task_key(env, [*path, key], item, source)
         return
     if len(path) != 3:
-        what = "a task section needs keys below it" if len(path) == 2 else "a task's keys have no keys below them"
-        raise ConfigError(f"unknown config key {'.'.join(path)} (known: {sorted(_keys(env))}; {what}: "
-                          f"[env.<task>] key = ..., --env.<task>.key=...)")
+        near = difflib.get_close_matches(task, list(_keys(env)), n=1, cutoff=0.6) if len(path) == 2 else []
+        hint = (f"did you mean env.{near[0]}?" if near else f"known: {', '.join(sorted(_keys(env)))}; a task's own "
+                "keys go in its section: [env.<task>] key = ..., --env.<task>.key=...")
+        raise ConfigError(f"unknown config key {'.'.join(path)} ({hint})")
     try:
         check_token(task, "task")
     except ValueError as exc:
@@ -482,8 +488,15 @@ def load_config(path: str | os.PathLike[str] | None = None, overrides: list[str]
     ``section.key=value`` overrides (``env.<task>.levels=1,2``)."""
     cfg = JetRLConfig()
     if path:
-        with open(path, "rb") as fh:
-            data = tomllib.load(fh)
+        try:
+            with open(path, "rb") as fh:
+                data = tomllib.load(fh)
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} does not exist") from None
+        except IsADirectoryError:
+            raise ConfigError(f"config file {path} is a directory") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
         for section, values in data.items():
             if not isinstance(values, dict):
                 raise ConfigError(f"config file {path}: top-level key {section!r} must be a [section]")
@@ -575,7 +588,11 @@ def save_config(cfg: JetRLConfig, path: str | os.PathLike[str]) -> None:
         if dataclasses.is_dataclass(typed):
             values.update(dataclasses.asdict(typed))
         table(f"env.{task}", values)
-    Path(path).write_text("\n".join(lines))
+    # 0600, like the NATS passwords: a config may hold secrets (an API key, a password)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)  # an existing file keeps its mode through O_CREAT: narrow it too
+    with os.fdopen(fd, "w") as fh:
+        fh.write("\n".join(lines))
 
 
 def _toml_value(value: Any) -> str:

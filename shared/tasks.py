@@ -20,6 +20,7 @@ are reserved keys of every task section, never settings. Nothing here knows a ta
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import importlib
 import json
 import typing
@@ -158,7 +159,9 @@ def read_settings(cls: type, raw: dict[str, Any], task: str) -> Any:
             continue
         dotted = f"env.{task}.{key}"
         if key not in keys:
-            raise ConfigError(f"unknown config key {dotted} (known: {sorted(keys)})")
+            near = difflib.get_close_matches(key, list(keys), n=1, cutoff=0.6)
+            hint = f"did you mean env.{task}.{near[0]}?" if near else f"known: {', '.join(sorted(keys))}"
+            raise ConfigError(f"unknown config key {dotted} ({hint})")
         hint = keys[key]
         if isinstance(value, str) and hint is not str and typing.get_origin(hint) is not typing.Union:
             value = _parse_scalar(value, hint, dotted)

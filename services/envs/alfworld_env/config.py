@@ -21,7 +21,7 @@ class AlfworldTaskConfig:
                            "group_size times)")
     recycle_after: int = opt(50, "episodes an engine process plays before it is replaced (the engine leaks memory)")
     game_files: list[str] = opt([], "real ALFWorld game files (.../<task>/trial_*/game.tw-pddl, traj_data.json "
-                                    "beside it): paths or globs, served as split 'dev'")
+                                    "beside it): paths or globs, served as split 'dev'", path=True)
     expert_filter: bool = opt(False, "keep in the catalogue only games the expert wins within max_rounds (the "
                                      "old behaviour); false = the first games of each type, the expert's result "
                                      "recorded beside them")

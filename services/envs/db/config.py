@@ -16,7 +16,7 @@ class DBTaskConfig:
                           "empty = embedded SQLite")
     query_timeout_s: float = opt(5.0, "time limit of one SQL statement (keep below env.action_timeout_s)")
     max_rows: int = opt(1000, "rows read from one result set before it is cut")
-    agentbench_file: str = opt("", "AgentBench dbbench jsonl served as split 'dev'; empty = none")
+    agentbench_file: str = opt("", "AgentBench dbbench jsonl served as split 'dev'; empty = none", path=True)
     levels: list[int] = opt([1, 2, 3], "difficulty levels of the generated splits (1 one table, 2 one table with two "
                                        "conditions, 3 several tables); task i has level 1 + i % 3 and the others of "
                                        "the num_*_tasks are left out")

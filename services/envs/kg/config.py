@@ -22,6 +22,6 @@ class KGTaskConfig:
     one_shot: bool = opt(False, "open each episode with an example conversation (a solved question of the "
                                 "project's own graph), as AgentBench's std split does")
     ntriples: str = opt("", "serve questions on this Freebase-namespace N-Triples graph (loaded once into a "
-                            "pyoxigraph store under data_dir) instead of the generated graph; no generated splits")
+                            "pyoxigraph store under data_dir) instead of the generated graph; no generated splits", path=True)
     agentbench_file: str = opt("", "AgentBench-format questions (JSON list: question, entities, answer, actions) "
-                                   "served as split 'dev'")
+                                   "served as split 'dev'", path=True)

@@ -23,7 +23,7 @@ class OSTaskConfig:
     cpus: float = opt(1.0, "CPU share of one episode's sandbox")
     agentbench_train: list[str] = opt([], "AgentBench OS task files (.json/.jsonl) added to the train split; each "
                                           "a file or glob, optionally =SCRIPTS_DIR (else AgentBench's layout: "
-                                          "data/<N>/*.json -> scripts/<N>/)")
+                                          "data/<N>/*.json -> scripts/<N>/)", path=True)
     agentbench_test: list[str] = opt([], "AgentBench OS task files (.json/.jsonl) added to the test split (as "
-                                         "agentbench_train)")
+                                         "agentbench_train)", path=True)
     levels: list[int] = opt([], "difficulty levels the generated splits keep (1-3); empty = all")
