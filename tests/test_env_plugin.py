@@ -6,6 +6,7 @@ with its variables, and the errors that name what is wrong."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import subprocess
 import sys
@@ -30,9 +31,13 @@ def plugin() -> Iterator[str]:
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
     subprocess.run([*pip, "install", "--no-deps", "--no-build-isolation", "-e", str(PLUGIN)], check=True,
                    capture_output=True, timeout=180)
+    sys.path.insert(0, str(PLUGIN))  # this process started before the install: import it as a new one would
+    importlib.invalidate_caches()
     try:
         yield "arith"
     finally:
+        sys.path.remove(str(PLUGIN))
+        sys.modules.pop("jetrl_arith", None)
         subprocess.run([*pip, "uninstall", "-y", "jetrl-arith"], check=True, capture_output=True, timeout=120)
 
 
