@@ -190,7 +190,7 @@ def test_generated_tasks_oracle_solves_and_wrong_answers_fail(env: OSEnv) -> Non
             if episode.task.wants_answer:  # gold from the fresh sandbox, tampering cannot change it
                 episode.call(ToolCall("bash_action", {"script": "rm -rf /root/* /srv /opt /home/* /var/tmp/*"}))
                 return episode.call(ToolCall("answer_action", {"answer": episode.gold.strip() + "x"})).reward
-            return episode.call(ToolCall("finish_action", {})).reward  # nothing done
+            return episode.call(ToolCall("finish_action", {"thought": "done"})).reward  # nothing done
         finally:
             episode.close()
 
@@ -330,7 +330,8 @@ async def test_served_over_nats_oracle_episodes_and_bad_actions(env: OSEnv, conf
             (call("rm_action", {"path": "/"}), "Unknown tool"),
             (call("bash_action", {}), "missing argument"),
             (call("bash_action", {"script": 7}), "must be of type string"),
-            (call("finish_action", {"thought": "done"}), "unexpected argument"),
+            (call("finish_action", {"thought": "done", "answer": "1"}), "unexpected argument"),
+            (call("finish_action", {}), "missing argument(s) thought"),
             ({"role": "assistant", "content": "ls"}, "No tool call"),
         ]
         for message, expect in bad:

@@ -1,9 +1,10 @@
 """The OS task (AgentBench's os_interaction, function-calling version): a real Linux shell per episode.
 
 Tools: ``bash_action(script)`` runs a script in the episode's persistent bash (output cut at
-``env.max_observation_chars``, the cut stated), ``answer_action(answer)`` and ``finish_action()`` end the
-episode and grade it; at most 8 rounds. Each episode gets its own sandbox (``sandbox.py``); tasks
-are AgentBench's format or generated in it (``tasks.py``). ``make setup-os`` builds the rootfs.
+``env.max_observation_chars``, the cut stated), ``answer_action(answer)`` and ``finish_action(thought)`` end
+the episode and grade it (the thought is the answer, as AgentBench's grader takes it); at most 8 rounds, a
+message's first call runs. Each episode gets its own sandbox (``sandbox.py``); tasks are AgentBench's format
+or generated in it (``tasks.py``). ``make setup-os`` builds the rootfs.
 """
 
 from __future__ import annotations
@@ -58,18 +59,21 @@ TOOLS: list[dict[str, Any]] = [
                        "persists between calls: the working directory and variables carry over.",
         "parameters": {"type": "object", "properties": {
             "script": {"type": "string", "description": "The bash script to execute."}},
-            "required": ["script"]}}},
+            "required": ["script"], "additionalProperties": False}}},
     {"type": "function", "function": {
         "name": "answer_action",
         "description": "Give the answer to the question. This ends the task.",
         "parameters": {"type": "object", "properties": {
             "answer": {"type": "string", "description": "The answer, and nothing else."}},
-            "required": ["answer"]}}},
+            "required": ["answer"], "additionalProperties": False}}},
     {"type": "function", "function": {
         "name": "finish_action",
         "description": "Declare that the required operations are done (for tasks that ask you to change the "
                        "system rather than to answer). This ends the task.",
-        "parameters": {"type": "object", "properties": {}, "required": []}}},
+        # AgentBench's: its grader takes the thought as the answer (checks get it as $1, a match compares it)
+        "parameters": {"type": "object", "properties": {
+            "thought": {"type": "string", "description": "The thought or reason indicating the task is finished."}},
+            "required": ["thought"], "additionalProperties": False}}},
 ]
 
 
@@ -82,6 +86,7 @@ def script_argv(script: Script, params: list[str]) -> list[str]:
 
 class OSEpisode(Episode):
     max_turns = MAX_ROUNDS
+    calls_per_message = "first"  # AgentBench's os_interaction runs a message's first call
 
     def __init__(self, task: OSTask, sandbox: Sandbox, cfg: EnvConfig) -> None:
         self.task, self.sandbox, self.cfg = task, sandbox, cfg
@@ -138,7 +143,8 @@ class OSEpisode(Episode):
             if tool.name == "answer_action":
                 return self._grade(str(tool.arguments["answer"]))
             if tool.name == "finish_action":
-                return self._grade(None)
+                thought = tool.arguments.get("thought")  # AgentBench: the first argument, or None without one
+                return self._grade(None if thought is None else str(thought))
             raise ToolError(f"Unknown tool {tool.name!r}. Available tools: bash_action, answer_action, finish_action.")
 
     def close(self) -> None:
@@ -193,7 +199,7 @@ class OSEpisode(Episode):
                           reward=1.0 if ok else 0.0, status=EpisodeStatus.COMPLETED, metrics=metrics)
 
     def judge(self, answer: str | None) -> tuple[bool, str]:
-        """AgentBench's rule (``_judge``); ``finish_action`` is an answer of None, as there."""
+        """AgentBench's rule (``_evaluate_answer``): ``finish_action``'s thought is the answer, as there."""
         task = self.task
         if task.match is not None:
             if answer is None:
@@ -317,7 +323,7 @@ class OSEnv(TaskEnv):
         if task.example is not None and episode.example_output is None:
             return ToolCall("bash_action", {"script": episode.oracle_script()})
         if not task.wants_answer and not task.reads_answer:
-            return ToolCall("finish_action", {})
+            return ToolCall("finish_action", {"thought": "The required operations are done."})
         if task.example is None:  # match-only task: the oracle knows the answer
             return ToolCall("answer_action", {"answer": str((task.match or {}).get("answer", ""))})
         return ToolCall("answer_action", {"answer": (episode.example_output or "").strip()})
