@@ -22,7 +22,8 @@ from typing import Any
 import structlog
 
 from services.envs.base import Episode, TaskEnv, TaskLevel, ToolCall, ToolError, ToolResult
-from services.envs.os_task.sandbox import BwrapSandbox, Cgroup, DockerSandbox, Limits, Sandbox, ensure_rootfs
+from services.envs.os_task.docker_sandbox import DockerSandbox
+from services.envs.os_task.sandbox import BwrapSandbox, Cgroup, Limits, Sandbox, ensure_rootfs
 from services.envs.os_task.tasks import (
     COMPARISONS,
     OSTask,
@@ -147,6 +148,12 @@ class OSEpisode(Episode):
                 return self._grade(None if thought is None else str(thought))
             raise ToolError(f"Unknown tool {tool.name!r}. Available tools: bash_action, answer_action, finish_action.")
 
+    def call_timeout_s(self, tool: ToolCall) -> float | None:
+        """Grading runs the task's check scripts one after another, each within ``env.os.check_timeout_s``."""
+        if tool.name in ("answer_action", "finish_action"):
+            return self.cfg.os.check_timeout_s * max(1, len(self.task.check or [])) + 30.0
+        return None
+
     def close(self) -> None:
         with self._lock:
             self.closed = True
@@ -210,8 +217,8 @@ class OSEpisode(Episode):
                 return answer == task.match["answer"], "match"
             return re.search(task.match["regex"], answer) is not None, "regex"
         params = [str(answer)]
-        # checks are ours, not the agent's: they get the most the host allows a tool call, not a command's limit
-        timeout = max(self.command_timeout, self.cfg.action_timeout_s - 1.0)
+        # checks are ours, not the agent's: AgentBench runs them without a limit, here each gets its own bound
+        timeout = self.cfg.os.check_timeout_s
         for entry in task.check or []:
             if entry is None and self.gold is not None:
                 params.append(self.gold)
