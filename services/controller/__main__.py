@@ -54,7 +54,12 @@ async def main(argv: list[str]) -> None:
         stack.callback(lambda: setattr(server, "should_exit", True))
         log.info("controller_ready", url=url, tasks=cfg.controller.tasks, group_size=cfg.controller.group_size)
         if cfg.controller.mode == "eval":  # evaluate, write the report, exit (jetrl eval waits for us)
-            report = await controller.run_eval(stop)
+            try:
+                report = await controller.run_eval(stop)
+            except RuntimeError as exc:  # no env answered: say so and wait to be stopped, not crash-loop
+                controller.fail(exc)
+                await stop.wait()
+                return
             (run_dir / "eval.json").write_text(json.dumps(report, indent=2) + "\n")
             log.info("eval_done", report=report)
             return
@@ -62,8 +67,7 @@ async def main(argv: list[str]) -> None:
 
         def publisher_done(task: asyncio.Task[None]) -> None:
             if not task.cancelled() and task.exception() is not None:
-                controller.state = f"failed: {task.exception()}"
-                log.error("plan_failed", error=repr(task.exception()))
+                controller.fail(task.exception())
 
         publisher.add_done_callback(publisher_done)
         await stop.wait()

@@ -14,7 +14,7 @@ import json
 import math
 import shutil
 import time
-from collections import OrderedDict, defaultdict
+from collections import Counter, OrderedDict, defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -58,6 +58,7 @@ from shared.subjects import Subjects
 log = structlog.get_logger()
 
 FLAT_GROUPS_WARNING = 16  # filter_flat_groups: a warning every this many groups left out without a step
+STALENESS_BINS = 11  # train/staleness_hist/<k>: trained turns k versions behind, 0..9, and 10 for 10 or more
 
 
 @dataclass
@@ -675,10 +676,14 @@ class Trainer:
     def _batch_stats(self, trajs: list[Trajectory]) -> dict[str, float]:
         stats: dict[str, float] = {"train/trajectories": float(len(trajs))}
         stats.update(_task_stats([EpisodeOutcome.of(t) for t in trajs]))
-        staleness = [self.policy_version - turn.policy_version for t in trajs for turn in t.turns]
+        # versions behind the policy being trained, per policy turn trained on (oracle turns, -1, have none)
+        staleness = [self.policy_version - turn.policy_version for t in trajs for turn in t.turns
+                     if turn.policy_version >= 0]
         if staleness:
             stats["train/staleness_mean"] = sum(staleness) / len(staleness)
             stats["train/staleness_max"] = float(max(staleness))
+            for lag, n in Counter(min(lag, STALENESS_BINS - 1) for lag in staleness).items():
+                stats[f"train/staleness_hist/{lag}"] = float(n)  # the dashboard's "staleness of trained turns"
         return stats
 
     # ------------------------------------------------------------------ backend hooks
