@@ -469,7 +469,7 @@ def test_agentbench_questions_open_with_agentbench_s_published_one_shot(env: KGE
     dev = served.open("rockets-0", "dev", 0).opening()
     assert dev[1:-1] == published and dev[-1]["content"].startswith(ROCKET_QUESTIONS[0]["question"])
     assert served.open(env.task_ids("test")[0], "test", 0).opening()[1:-1] == one_shot_example()
-    from services.rollout.chat import render_opening
+    from shared.chat import render_opening
 
     text = render_opening(dev, TOOLS)
     assert text.count("<|im_start|>assistant") == sum(m["role"] == "assistant" for m in published) + 1
