@@ -65,6 +65,7 @@ from shared.auth import (
 )
 from shared.bus import connect, declare_topology
 from shared.config import TASKS, JetRLConfig, describe, load_config, save_config
+from shared.consumers import declare_durables
 from shared.log import setup_logging
 from shared.messages import ActionEvent, BadMessage, MetricsReport, ObservationEvent, Trajectory, decode, encode
 from shared.natsd import EmbeddedNats
@@ -291,10 +292,12 @@ async def _follow_progress(cfg: JetRLConfig, url: str, sup: Supervisor, stop: as
 
 
 async def _declare_topology(cfg: JetRLConfig) -> None:
+    """Streams, buckets and the run's durable consumers, as the admin: no service role may create them."""
     nc = await connect(cfg.nats, "jetrl-up-admin", role="admin")
     try:
-        await declare_topology(nc.jetstream(), Subjects(cfg.nats.prefix), cfg.nats, cfg.controller.heartbeat_ttl_s,
-                               role="admin")
+        js, subjects = nc.jetstream(), Subjects(cfg.nats.prefix)
+        await declare_topology(js, subjects, cfg.nats, cfg.controller.heartbeat_ttl_s, role="admin")
+        await declare_durables(js, subjects, cfg)
     finally:
         await nc.close()
 
@@ -624,13 +627,14 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_topology(args: argparse.Namespace, overrides: list[str]) -> int:
-    """Declare every stream and bucket as the admin user: on an authenticated server only the admin may
-    (shared/auth.py); the services wait for them. Compose runs this once as its `topology` service."""
+    """Declare every stream, bucket and durable consumer as the admin user: on an authenticated server only
+    the admin may (shared/auth.py); the services wait for them. Compose runs this once as its `topology`
+    service, with the run's config (the durables' lanes and ack waits come from it)."""
     cfg = load_config(args.config, overrides)
     if not cfg.nats.url:
         raise CliError("jetrl topology: set nats.url (JETRL__NATS__URL) to the server to declare on")
     asyncio.run(_declare_topology(cfg))
-    print(f"jetrl topology: streams and buckets of prefix {cfg.nats.prefix} declared on {cfg.nats.url}")
+    print(f"jetrl topology: streams, buckets and durables of prefix {cfg.nats.prefix} declared on {cfg.nats.url}")
     return 0
 
 
