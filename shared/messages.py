@@ -409,7 +409,7 @@ def decode(data: bytes, cls: type[M]) -> M:
     if has_schemaless_part(cls):  # msgspec builds those parts as Python objects, as deep and many as sent
         shape = shape_error(data)
         if shape is not None:
-            raise BadMessage(shape)
+            raise BadMessage(f"{kind}: {shape}")
     try:
         msg = _decoder(cls).decode(data)
     except msgspec.ValidationError as exc:

@@ -33,6 +33,7 @@ from nats.micro.request import Request, ServiceError
 from services.envs.base import Episode, TaskEnv, ToolCall, ToolError, ToolResult
 from shared.bus import dead_letter
 from shared.config import EnvConfig
+from shared.lifecycle import supervise
 from shared.messages import (
     BadMessage,
     EnvCancel,
@@ -341,7 +342,7 @@ class EnvHost:
                 await request.respond_error("500", repr(exc))
 
         async def dispatch(request: Request) -> None:
-            task = asyncio.create_task(run(request))
+            task = supervise(run(request), "env_request", None)
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
@@ -508,7 +509,7 @@ class EnvHost:
         session.closed = True
         self.sessions.pop(session.session_id, None)
         if session.running is not None and not session.running.done():  # a timed-out tool is still running
-            task = asyncio.create_task(self._free(session, status))
+            task = supervise(self._free(session, status), "session_close", None)
             self._closing_tasks.add(task)
             task.add_done_callback(self._closing_tasks.discard)
         else:

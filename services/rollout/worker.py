@@ -43,12 +43,14 @@ from shared.bus import (
     Acker,
     dead_letter,
     decode_or_dead_letter,
+    judge_each,
     publish_metrics,
     publish_retrying,
     read_object,
 )
 from shared.config import RolloutConfig
 from shared.envapi import ERROR_CODE_HEADER, ERROR_HEADER, EnvClient, EnvError
+from shared.lifecycle import supervise
 from shared.messages import (
     ActionEvent,
     BadMessage,
@@ -182,7 +184,7 @@ class RolloutWorker:
                 log.warning("job_fetch_failed", lane=lane, error=repr(exc))
                 await asyncio.sleep(1.0)
                 continue
-            task = asyncio.create_task(self._handle(msgs[0]))
+            task = supervise(judge_each(self.js, self.subjects, "rollout", msgs, self._handle), "job", None)
             tasks.add(task)
             task.add_done_callback(lambda t: (tasks.discard(t), slots.release()))
         for task in tasks:  # shutting down: unacked jobs are redelivered to other replicas
@@ -403,7 +405,7 @@ class RolloutWorker:
                 except Exception as exc:  # the broker is restarting: the next touch or the turn's end retries
                     log.warning("job_touch_failed", error=repr(exc))
 
-        task = asyncio.create_task(touch())
+        task = supervise(touch(), "job_touch", None)
         try:
             yield
         finally:
@@ -488,7 +490,7 @@ class RolloutWorker:
                     log.exception("pool_generate_error")
                     await request.respond_error("500", repr(exc))
 
-            task = asyncio.create_task(run())  # the engine batches concurrent requests
+            task = supervise(run(), "pool_request", None)  # the engine batches concurrent requests
             self._pool_tasks.add(task)
             task.add_done_callback(self._pool_tasks.discard)
 
@@ -541,7 +543,7 @@ class RolloutWorker:
                     log.debug("policy_poll", detail=type(exc).__name__)
                 await asyncio.sleep(poll_s)
 
-        helpers = [asyncio.create_task(watch()), asyncio.create_task(poll())]
+        helpers = [supervise(watch, "policy_watch", None, restart_s=1.0), supervise(poll, "policy_poll", None, restart_s=1.0)]
         try:
             while True:
                 await fresh.wait()
