@@ -14,6 +14,7 @@
                               # what its env service reads: [env] and [env.<task>]
     jetrl topology [--config FILE]   # declare streams and buckets as the NATS admin (compose)
     jetrl secrets [--env compose/.env]   # per-role NATS passwords + status API token for compose
+    jetrl schema [--check]   # message schemas (docs/schemas/) and the env protocol's field tables
 
 ``up`` starts an embedded nats-server (unless ``nats.url`` is set) and every service as its own
 process (``python -m services.<role>``), prints one progress line per training step, and stops
@@ -42,6 +43,8 @@ from typing import Any
 
 import structlog
 
+from jetrl.schema import add_arguments as add_schema_arguments
+from jetrl.schema import run as run_schema
 from shared.auth import (
     CLUSTER_PASSWORD_ENV,
     ROLES,
@@ -666,6 +669,9 @@ def main(argv: list[str] | None = None) -> int:
     secrets_cmd = sub.add_parser("secrets", help="random NATS passwords per role and a status API token, as an "
                                                  "env file for compose")
     secrets_cmd.add_argument("--env", default="compose/.env", help="env file to write (kept if it exists)")
+    schema = sub.add_parser("schema", help="the message schemas (JSON Schema) and the env protocol's field "
+                                           "tables, from shared/messages.py; --check: fail if out of date")
+    add_schema_arguments(schema)
     args, rest = parser.parse_known_args(argv)
     setup_logging("cli", level="warning")  # the CLI prints its own lines; services log to their files
     if args.command in MODE_DEFAULTS:
@@ -686,6 +692,8 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_watch(args)
     if args.command == "status":
         return cmd_status(args)
+    if args.command == "schema":
+        return run_schema(args)
     print(describe(args.task))
     return 0
 
