@@ -24,7 +24,7 @@ from shared.subjects import Subjects
 
 
 async def registry_ages(config: str | None, host: str) -> dict[str, float]:
-    """Heartbeat age in seconds of every replica registered from ``host``."""
+    """Heartbeat age in seconds of every serving replica registered from ``host``."""
     cfg = load_config(config)
     cfg.nats.connect_timeout_s = min(cfg.nats.connect_timeout_s, 5.0)
     subjects = Subjects(cfg.nats.prefix)
@@ -41,7 +41,8 @@ async def registry_ages(config: str | None, host: str) -> dict[str, float]:
                 beat = decode((await kv.get(key)).value or b"", Heartbeat)
             except Exception:
                 continue
-            if beat.host == host:
+            # an env replica still building its task data heartbeats, but does not serve yet
+            if beat.host == host and beat.info.get("state") != "building":
                 ages[beat.replica_id] = time.time() - beat.ts
         return ages
     finally:

@@ -357,11 +357,13 @@ def test_status_api_binds_to_localhost_and_enforces_its_bearer_token(config: Jet
         assert get({}) == 401
         assert get({"Authorization": "Bearer wrong"}) == 401
         assert get({"Authorization": "Bearer s3cret-token"}) == 200
-        # the dashboard's page and script are public (no data); its data wants the token, which a browser
-        # passes as ?token= (EventSource cannot send headers)
-        assert get({}, "/dashboard") == 200 and get({}, "/static/dashboard.js") == 200
-        assert get({}, "/api/dashboard") == 401 and get({}, "/api/episodes?token=wrong") == 401
-        assert get({}, "/api/dashboard?token=s3cret-token") == 200
+        # every endpoint wants the token, /metrics too (401, not a 500); a browser passes it as ?token=
+        # (EventSource cannot send headers); only the page's script and style are open (no data)
+        for path in ("/metrics", "/dashboard", "/", "/api/dashboard", "/api/episodes", "/api/episodes/x"):
+            assert get({}, path) == 401, path
+        assert get({"Authorization": "Bearer s3cret-token"}, "/metrics") == 200
+        assert get({}, "/static/dashboard.js") == 200 and get({}, "/dashboard?token=s3cret-token") == 200
+        assert get({}, "/api/episodes?token=wrong") == 401 and get({}, "/api/dashboard?token=s3cret-token") == 200
         cli = subprocess.run([sys.executable, "-m", "jetrl.cli", "status", "--run-dir", str(run_dir)], cwd=REPO,
                              capture_output=True, text=True, timeout=60,
                              env=dict(os.environ, JETRL__CONTROLLER__HTTP_TOKEN_FILE=str(token_file)))

@@ -306,8 +306,10 @@ def test_config_task_sections_in_every_form(tmp_path) -> None:
     assert cfg.env.task_value("alfworld", "max_observation_chars") == 4000
     assert cfg.env.task_value("db", "max_observation_chars") == cfg.env.max_observation_chars == 800
     assert cfg.env.task_value("webshop", "max_sessions") == 8
-    with pytest.raises(ConfigError, match=r"unknown config key env\.db\.level \(known: \['agentbench_file'"):
+    with pytest.raises(ConfigError, match=r"unknown config key env\.db\.level \(did you mean env\.db\.levels\?\)"):
         load_config(None, ["env.db.level=1"], environ={})
+    with pytest.raises(ConfigError, match=r"unknown config key env\.db\.zzz \(known: agentbench_file, levels, "):
+        load_config(None, ["env.db.zzz=1"], environ={})
     with pytest.raises(ConfigError, match=r"config env\.db is a section: set its keys"):
         load_config(None, ["env.db=1"], environ={})
     with pytest.raises(ConfigError, match=r"env\.db\.levels\[\]: expected int, got .one."):

@@ -267,9 +267,10 @@ async def test_controller_status_and_prometheus_metrics(nc, config, subjects) ->
         metrics = (await client.get("/metrics")).text
     assert status["episodes_finished"] == 1 and status["duplicate_trajectories"] == 1
     assert status["tasks"]["db"]["success_rate"] == 1.0 and status["trainer"]["train/loss"] == 0.25
-    assert 'jetrl_task_success_rate{task="db"} 1.0' in metrics
-    assert 'jetrl_episodes{state="finished"} 1.0' in metrics
-    assert 'jetrl_trainer{name="train/loss"} 0.25' in metrics
+    assert 'jetrl_task_success_ratio{task="db"} 1.0' in metrics
+    assert 'jetrl_episodes_finished_total{status="completed",task="db"} 1.0' in metrics
+    assert 'jetrl_trajectories_duplicate_total 1.0' in metrics
+    assert 'jetrl_trainer_loss 0.25' in metrics
     assert status["replicas"] == []
     controller.inflight["e-stale"] = 0.0  # published at the epoch: long past any timeout
     controller.expire_lost()

@@ -56,11 +56,22 @@ async def main(argv: list[str]) -> None:
         stack.callback(lambda: setattr(server, "should_exit", True))
         log.info("controller_ready", url=url, tasks=cfg.controller.tasks, group_size=cfg.controller.group_size)
         if cfg.controller.mode == "eval":  # evaluate, write the report, exit (jetrl eval waits for us)
-            report = await controller.run_eval(stop)
+            try:
+                report = await controller.run_eval(stop)
+            except RuntimeError as exc:  # no env answered: say so and wait to be stopped, not crash-loop
+                controller.fail(exc)
+                await stop.wait()
+                return
             (run_dir / "eval.json").write_text(json.dumps(report, indent=2) + "\n")
             log.info("eval_done", report=report)
             return
-        publisher = supervise(controller.publish_jobs(stop), "job_publisher", stop)  # its books restart with it
+        publisher = supervise(controller.publish_jobs(stop), "job_publisher", None)  # logged; fail() says why
+
+        def publisher_done(task: asyncio.Task[None]) -> None:
+            if not task.cancelled() and task.exception() is not None:
+                controller.fail(task.exception())
+
+        publisher.add_done_callback(publisher_done)
         await stop.wait()
         publisher.cancel()
         log.info("controller_stopping", **{k: v for k, v in controller.status().items() if k != "trainer"})

@@ -42,6 +42,7 @@ from services.controller.report import eval_report
 from shared.bus import TRANSIENT, decode_or_dead_letter, judge_each, publish_retrying
 from shared.config import JetRLConfig
 from shared.envapi import EnvClient, EnvError
+from shared.lifecycle import supervise
 from shared.messages import (
     BadMessage,
     EpisodeJob,
@@ -54,6 +55,7 @@ from shared.messages import (
     decode,
     encode,
 )
+from shared.readiness import describe_build, is_building
 from shared.subjects import Subjects
 
 log = structlog.get_logger()
@@ -66,6 +68,9 @@ class TaskBook:
     successes: int = 0
     reward_sum: float = 0.0
     recent: deque[float] = field(default_factory=lambda: deque(maxlen=64))
+    turns: int = 0  # env interactions of finished episodes (each turn is one interact call)
+    generated_tokens: int = 0  # tokens the policy sampled in them (the loss mask)
+    statuses: Counter[str] = field(default_factory=Counter)  # finished episodes by status
 
 
 @dataclass
@@ -132,6 +137,7 @@ class Controller:
         self._finished_at_read = 0
         self.eval_planned: dict[str, int] = {}  # eval mode: episodes per task the run will publish
         self.board = RunBoard(subjects)  # what the dashboard and the trajectory viewer show
+        self._failure_announcer: asyncio.Task[None] | None = None
 
     # ------------------------------------------------------------------ plan and publish
     async def fetch_task_ids(self, timeout_s: float = 120.0, split: str = "train",
@@ -149,14 +155,43 @@ class Controller:
                     out[task] = await client.task_ids(split)
                     break
                 except EnvError as exc:
-                    if time.monotonic() > deadline:
-                        raise RuntimeError(f"env service for task {task!r} did not answer: {exc}") from None
+                    building = self.env_building(task)
+                    if building:  # a replica is building its task data: wait for it, however long it takes
+                        self.state = f"waiting for env {task}: {building}"
+                        deadline = max(deadline, time.monotonic() + timeout_s)
+                    elif time.monotonic() > deadline:
+                        raise RuntimeError(f"env service for task {task!r} did not answer within {timeout_s:g}s "
+                                           f"(controller.env_wait_s) and no replica of it is building: {exc}") from None
                     await asyncio.sleep(0.5)
             if not out[task]:
                 raise RuntimeError(f"env service for task {task!r} has no {split} tasks")
             if train_limit:
                 out[task] = out[task][: self.cfg.controller.train_limit or None]
         return out
+
+    def fail(self, error: BaseException) -> None:
+        """The plan cannot go on: /status says why, and ``run.control`` says so every 5 s until the controller
+        stops (``jetrl up`` ends the run on it with the reason; a reader that joins late still hears it)."""
+        self.state = f"failed: {error}"
+        log.error("plan_failed", error=repr(error))
+        self._failure_announcer = supervise(self._announce_failure(str(error)), "failure_announcer", None)
+
+    async def _announce_failure(self, reason: str, every_s: float = 5.0) -> None:
+        while not self.nc.is_closed:
+            try:
+                await self.nc.publish(self.subjects.run_control, encode(RunControl(event="failed",
+                                                                                   info={"reason": reason})))
+            except Exception as exc:  # NATS restarting: said again at the next tick
+                log.warning("failure_announce_failed", error=repr(exc))
+            await asyncio.sleep(every_s)
+
+    def env_building(self, task: str) -> str:
+        """``building, kg questions 43 %`` while a live replica of ``task``'s env builds its data, else ''."""
+        ttl = self.cfg.controller.heartbeat_ttl_s
+        for r in self.replicas:
+            if r["role"] == f"env-{task}" and r["age_s"] < ttl and is_building(r["info"]):
+                return describe_build(r["info"])
+        return ""
 
     async def publish_jobs(self, stop: asyncio.Event) -> None:
         task_ids = await self.fetch_task_ids(self.cfg.controller.env_wait_s)
@@ -387,6 +422,9 @@ class Controller:
         book.successes += int(traj.success)
         book.reward_sum += traj.reward
         book.recent.append(1.0 if traj.success else 0.0)
+        book.turns += len(traj.turns)
+        book.generated_tokens += sum(traj.loss_mask)
+        book.statuses[traj.status] += 1
         if traj.group_id.startswith("eval-"):
             name = traj.group_id.split("-")[1]  # eval-<pass>-<task>-...
             if name in self.eval_results:
@@ -457,7 +495,8 @@ class Controller:
         tasks = {}
         for task, book in sorted(self.books.items()):
             tasks[task] = {
-                "published": book.published, "finished": book.finished,
+                "published": book.published, "finished": book.finished, "succeeded": book.successes,
+                "turns": book.turns, "generated_tokens": book.generated_tokens, "statuses": dict(book.statuses),
                 "success_rate": book.successes / book.finished if book.finished else 0.0,
                 "recent_success_rate": sum(book.recent) / len(book.recent) if book.recent else 0.0,
                 "mean_reward": book.reward_sum / book.finished if book.finished else 0.0,
