@@ -10,6 +10,7 @@
     jetrl probe [--config FILE] [...]   # eval, greedy and sampled, per task / level / kind
     jetrl watch [--run-dir DIR | --url NATS_URL --prefix P] [--task T] [--events]
     jetrl status [--run-dir DIR]
+    jetrl export [--run-dir DIR | --url NATS_URL --prefix P] -o FILE.parquet|.jsonl [filters]   # docs/data.md
     jetrl config [--task T]   # every config key with its default and help; with a task, only
                               # what its env service reads: [env] and [env.<task>]
     jetrl topology [--config FILE]   # declare streams and buckets as the NATS admin (compose)
@@ -46,6 +47,8 @@ import structlog
 
 from jetrl.access import close_status_api, dashboard_link
 from jetrl.errors import CliError, run_cli
+from jetrl.export import add_arguments as add_export_arguments
+from jetrl.export import cmd_export
 from jetrl.outcome import RunOutcome
 from jetrl.preflight import check_config
 from jetrl.schema import add_arguments as add_schema_arguments
@@ -708,6 +711,8 @@ def _main(argv: list[str]) -> int:
     schema = sub.add_parser("schema", help="the message schemas (JSON Schema) and the env protocol's field "
                                            "tables, from shared/messages.py; --check: fail if out of date")
     add_schema_arguments(schema)
+    add_export_arguments(sub.add_parser("export", help="a run's trajectories as a dataset file (Parquet or JSONL, "
+                                                      "the Hugging Face chat format), filtered"))
     args, rest = parser.parse_known_args(argv)
     setup_logging("cli", level="warning")  # the CLI prints its own lines; services log to their files
     if args.command in MODE_DEFAULTS:
@@ -720,6 +725,8 @@ def _main(argv: list[str]) -> int:
         return cmd_quickstart(args, rest)
     if args.command == "topology":
         return cmd_topology(args, rest)
+    if args.command == "export":
+        return cmd_export(args, rest)
     if rest:
         parser.error(f"unrecognised arguments: {rest}")
     if args.command == "secrets":

@@ -304,6 +304,12 @@ class Trajectory(Message, tag="trajectory", kw_only=True):
     level: int = 0
     """The task's level and kind as its env reports them (``EnvStarted``)."""
     task_kind: str = ""
+    messages: list[dict[str, Any]] = msgspec.field(default_factory=list)
+    """The episode as an OpenAI conversation: the env's opening messages, then each turn's assistant
+    message exactly as the env received it (the action log ``jetrl reverify`` replays) followed by the
+    env's answer. Empty for an episode the env could not run, or from a writer that does not record it."""
+    tools: list[dict[str, Any]] = msgspec.field(default_factory=list)
+    """The episode's tool schemas (OpenAI function-calling form), as the env opened it."""
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -18,9 +18,9 @@ import pytest
 from jetrl.cli import CrashLoop, Supervisor
 from services.envs.base import Episode, TaskEnv, ToolCall, ToolResult
 from services.envs.host import EnvHost
-from services.rollout.chat import parse_assistant
 from services.trainer.trainer import Trainer
 from shared.bus import connect, declare_topology
+from shared.chat import parse_assistant
 from shared.config import EnvConfig, JetRLConfig, ModelConfig
 from shared.envapi import EnvClient, EnvError
 from shared.messages import EnvInteract, EnvStart, EnvStep, Trajectory, TurnInfo, decode, encode

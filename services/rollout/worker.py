@@ -35,7 +35,6 @@ from nats.js.errors import BadRequestError
 from nats.micro import add_service
 from nats.micro.request import Request
 
-from services.rollout.chat import parse_assistant, render_observation, render_opening, render_tool_call
 from services.rollout.engine import Engine, Generation
 from services.rollout.openai_client import ContextLimit, OpenAIChatClient, history_after_turn
 from shared.bus import (
@@ -48,8 +47,9 @@ from shared.bus import (
     publish_retrying,
     read_object,
 )
+from shared.chat import parse_assistant, render_observation, render_opening, render_tool_call
 from shared.config import RolloutConfig
-from shared.envapi import ERROR_CODE_HEADER, ERROR_HEADER, EnvClient, EnvError
+from shared.envapi import ERROR_CODE_HEADER, ERROR_HEADER, EnvClient, EnvError, episode_seed
 from shared.lifecycle import supervise
 from shared.messages import (
     ActionEvent,
@@ -299,7 +299,7 @@ class RolloutWorker:
             async with self._touching(msg):
                 await self.wait_for_version(job.policy_version)
         started = time.monotonic()
-        opening = await env.start(session_id, job.task_id, job.split, seed=zlib.crc32(job.episode_id.encode()),
+        opening = await env.start(session_id, job.task_id, job.split, seed=episode_seed(job.episode_id),
                                   timeout_s=self.cfg.env_start_timeout_s)
         buf = EpisodeBuffer()
         opening_text = render_opening(opening.messages, opening.tools, self.cfg.tool_format)
@@ -307,6 +307,7 @@ class RolloutWorker:
         prompt_len = len(buf.tokens)
         reward, status, metrics = 0.0, EpisodeStatus.RUNNING, {}
         history = list(opening.messages)  # the conversation in the API's form (engine = openai)
+        conversation = list(opening.messages)  # the record: each action as the env got it, then its answer
         closed = False  # the env session ended (finish, cancel); otherwise we cancel it on the way out
         try:
             for turn in range(opening.max_turns):
@@ -344,6 +345,7 @@ class RolloutWorker:
                     opening=opening.messages if turn == 0 else [])),
                     f"{session_id}-act-{turn}")
                 step = await env.interact(opening.replica_id, session_id, action, turn=turn)
+                conversation += [action, *step.messages]
                 await self._publish_event(self.subjects.observation(job.task, job.episode_id), encode(ObservationEvent(
                     episode_id=job.episode_id, task=job.task, turn=turn, messages=step.messages, reward=step.reward,
                     finish=step.finish, status=step.status)), f"{session_id}-obs-{turn}")
@@ -370,7 +372,7 @@ class RolloutWorker:
             group_size=job.group_size, tokens=buf.tokens, logprobs=buf.logprobs, loss_mask=buf.loss_mask,
             prompt_len=prompt_len, turns=buf.turns, reward=reward, status=status, replica_id=self.replica_id,
             metrics=dict(metrics, duration_s=time.monotonic() - started), temperature=job.temperature,
-            level=opening.level, task_kind=opening.task_kind,
+            level=opening.level, task_kind=opening.task_kind, messages=conversation, tools=opening.tools,
         )
         await self._publish_trajectory(traj)
         return traj
