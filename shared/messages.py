@@ -25,7 +25,7 @@ from typing import Annotated, Any, ClassVar, TypeVar
 
 import msgspec
 
-from shared.msgshape import has_schemaless_part, reason_of, shape_error
+from shared.msgshape import bound_error, reason_of
 
 MAX_MESSAGE_BYTES = 8 * 1024 * 1024
 """Largest message the codec accepts. nats-server's max_payload must be at least this (see natsd)."""
@@ -476,10 +476,9 @@ def decode(data: bytes, cls: type[M]) -> M:
     if len(data) > MAX_MESSAGE_BYTES:
         raise BadMessage(f"message is {len(data)} bytes, limit {MAX_MESSAGE_BYTES}", code=413)
     kind = cls.KIND  # type: ignore[attr-defined]
-    if has_schemaless_part(cls):  # msgspec builds those parts as Python objects, as deep and many as sent
-        shape = shape_error(data)
-        if shape is not None:
-            raise BadMessage(f"{kind}: {shape}")
+    shape = bound_error(data, cls)  # msgspec builds a field without a schema as deep and as big as sent
+    if shape is not None:
+        raise BadMessage(f"{kind}.{shape}")
     try:
         msg = _decoder(cls).decode(data)
     except msgspec.ValidationError as exc:

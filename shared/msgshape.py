@@ -10,13 +10,10 @@ turns every empty container into a Python object: 8 MiB of ``0x90`` bytes would 
 ``shape_error`` walks the bytes once, without building anything, and names the first bound a message
 breaks: at most ``MAX_DEPTH`` containers deep and ``MAX_CONTAINERS`` containers in all. Runs of
 fixed-size scalars are matched and counted by the ``re`` engine, so the walk's Python work is per
-container and string; the engine itself still spends ~0.5 us a scalar, ~6x msgspec's whole typed decode
-of a trajectory (docs/benchmarks/faults.md). So ``decode`` walks only the types with a part decoded
-without a schema (``Any``: env messages, episode events, heartbeats), where the sender decides how deep
-and how many containers msgspec builds; a trajectory's schema bounds its depth (3), and a field a reader
-does not know is skipped without being built, a ``RecursionError`` there being the codec's refusal too.
-Bytes that are not msgpack at all (truncated, a reserved byte, trailing data) pass: the decoder reports
-those in its own words.
+container and string; the engine still spends ~0.5 us a scalar, several times msgspec's whole typed
+decode of a trajectory's token ids. So ``bound_error`` walks only the fields without a schema (below);
+docs/benchmarks/faults.md has the cost. Bytes that are not msgpack at all (truncated, a reserved byte,
+trailing data) pass: the decoder reports those in its own words.
 """
 
 from __future__ import annotations
@@ -48,8 +45,9 @@ _FIXEXT = {0xd4: 3, 0xd5: 4, 0xd6: 6, 0xd7: 10, 0xd8: 18}  # whole size, lead by
 _COUNTED = {0xdc: (2, 1), 0xdd: (4, 1), 0xde: (2, 2), 0xdf: (4, 2)}
 
 
-def shape_error(data: bytes, max_depth: int = MAX_DEPTH, max_containers: int = MAX_CONTAINERS) -> str | None:
-    """The bound ``data`` breaks (a reason for ``BadMessage``), or None."""
+def shape_error(data: bytes | memoryview, max_depth: int = MAX_DEPTH, max_containers: int = MAX_CONTAINERS,
+                depth: int = 0) -> str | None:
+    """The bound ``data`` breaks (a reason for ``BadMessage``), or None; ``depth``: containers around it."""
     size = len(data)
     open_items: list[int] = []  # items still to come in each enclosing container
     remaining = 1  # items still to come at this level: the message itself
@@ -87,7 +85,7 @@ def shape_error(data: bytes, max_depth: int = MAX_DEPTH, max_containers: int = M
             if items:
                 open_items.append(remaining)
                 remaining = items
-                if len(open_items) > max_depth:
+                if len(open_items) + depth > max_depth:
                     return f"nested more than {max_depth} arrays or maps deep"
             continue
         if 0xa0 <= lead <= 0xbf:
@@ -102,29 +100,55 @@ def shape_error(data: bytes, max_depth: int = MAX_DEPTH, max_containers: int = M
         remaining -= 1
 
 
-_schemaless: dict[type, bool] = {}
+def bound_error(data: bytes, cls: type) -> str | None:
+    """The bound a message of type ``cls`` breaks in its fields without a schema (``field: reason``), or None.
+
+    Only there does the sender decide how deep and how many containers msgspec builds: the typed fields'
+    schema bounds their depth (a trajectory's turns: 3), and a field the reader does not know is skipped
+    without being built. So the fields with an ``Any`` somewhere in their type are found first, by a decode
+    into a struct of ``msgspec.Raw`` fields (msgspec's C skip, nothing built), and only their bytes are
+    walked: a trajectory's conversation, not its token ids. Anything that decode cannot read is left to
+    the real decode to refuse in its own words."""
+    fields, shadow = _shadow(cls)
+    if not fields:
+        return None
+    try:
+        raw = shadow.decode(data)
+    except Exception:
+        return None
+    for name in fields:
+        part = memoryview(getattr(raw, name))
+        if len(part):
+            reason = shape_error(part, depth=1)  # inside the message's map
+            if reason is not None:
+                return f"{name}: {reason}"
+    return None
 
 
-def has_schemaless_part(cls: type) -> bool:
-    """Whether any field of ``cls`` (at any depth) is ``Any``: only there can the sender choose how deep
-    and how many containers msgspec builds, so only those types pay for ``shape_error``'s walk (a
-    trajectory's schema bounds its depth: 3). What a reader does not know it skips without building."""
-    if cls not in _schemaless:
-        seen: set[int] = set()
+_shadows: dict[type, tuple[list[str], Any]] = {}
 
-        def walk(node: Any) -> bool:
-            if isinstance(node, msgspec.inspect.AnyType):
-                return True
-            if id(node) in seen or not isinstance(node, msgspec.inspect.Type):
-                return False
-            seen.add(id(node))
-            if isinstance(node, msgspec.inspect.StructType):
-                return any(walk(f.type) for f in node.fields)
-            parts = [getattr(node, a) for a in ("item_type", "key_type", "value_type") if hasattr(node, a)]
-            return any(walk(p) for p in [*parts, *getattr(node, "types", ()), *getattr(node, "item_types", ())])
 
-        _schemaless[cls] = walk(msgspec.inspect.type_info(cls))
-    return _schemaless[cls]
+def _shadow(cls: type) -> tuple[list[str], Any]:
+    """The wire names of ``cls``'s fields that have an ``Any`` in their type, and a decoder that reads
+    just those fields' bytes (``msgspec.Raw``)."""
+    if cls not in _shadows:
+        info = msgspec.inspect.type_info(cls)
+        fields = [f.encode_name for f in info.fields if _has_any(f.type, set())]  # type: ignore[attr-defined]
+        shadow = msgspec.defstruct(f"{cls.__name__}Bytes", [(n, msgspec.Raw, msgspec.Raw()) for n in fields])
+        _shadows[cls] = (fields, msgspec.msgpack.Decoder(shadow))
+    return _shadows[cls]
+
+
+def _has_any(node: Any, seen: set[int]) -> bool:
+    if isinstance(node, msgspec.inspect.AnyType):
+        return True
+    if id(node) in seen or not isinstance(node, msgspec.inspect.Type):
+        return False
+    seen.add(id(node))
+    if isinstance(node, msgspec.inspect.StructType):
+        return any(_has_any(f.type, seen) for f in node.fields)
+    parts = [getattr(node, a) for a in ("item_type", "key_type", "value_type") if hasattr(node, a)]
+    return any(_has_any(p, seen) for p in [*parts, *getattr(node, "types", ()), *getattr(node, "item_types", ())])
 
 
 # msgspec's words for types, in the codec's own (the reasons services log and dead-letter).

@@ -223,7 +223,7 @@ def test_decode_raises_only_bad_message_however_deep_or_many_the_containers() ->
     step = msgspec.msgpack.encode({"kind": "env_step", "v": 1, "finish": False, "reward": 0.0, "status": "s",
                                    "messages": [{"content": 1}]})
     deep_field = step.replace(b"\x81\xa7content\x01", b"\x81\xa7content" + b"\x91" * 64 + b"\x01")
-    with pytest.raises(BadMessage, match="nested more than 64 arrays or maps deep"):
+    with pytest.raises(BadMessage, match="env_step.messages: nested more than 64 arrays or maps deep"):
         decode(deep_field, EnvStep)
     shallow = step.replace(b"\x81\xa7content\x01", b"\x81\xa7content" + b"\x91" * 60 + b"\x01")
     assert decode(shallow, EnvStep).messages[0]["content"] == nest_lists(60, [1])  # 63 deep in all: accepted

@@ -132,8 +132,7 @@ async def test_an_undecodable_request_on_any_endpoint_gets_a_coded_reply_and_the
                         subjects.env_cancel("note", opened.replica_id), subjects.env_oracle("note", opened.replica_id)):
             reply = await nc.request(subject, nested, timeout=10.0)
             assert reply.headers and reply.headers.get("Nats-Service-Error-Code") == "400", (subject, reply.headers)
-            reason = reply.headers.get("Nats-Service-Error", "")
-            assert "expected a msgpack map" in reason or "nested more than 64 arrays or maps deep" in reason, reason
+            assert reply.headers.get("Nats-Service-Error") == "expected a msgpack map, got list", reply.headers
         step = await client.interact(opened.replica_id, "s0", note(7), turn=0)
         assert not step.finish and env.episodes[0].seen == [7]
     finally:
