@@ -147,6 +147,8 @@ async def test_trainer_step_changes_the_policy_and_the_engine_loads_it(nc, confi
     before = {k: v.clone() for k, v in model.state_dict().items()}
     stats = await trainer.train_step([group])
     assert stats["task/db/success"] == 0.5 and stats["train/tokens"] == 6
+    # what the dashboard's "staleness of trained turns" shows: both turns trained at the version that made them
+    assert stats["train/staleness_hist/0"] == 2.0 and stats["train/staleness_mean"] == 0.0
     assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
     # The rollout side picks the new version up from the KV entry and the object store.
     worker = RolloutWorker(nc, nc.jetstream(), subjects, config.rollout, engine, tokenizer, "rollout-test")
