@@ -42,6 +42,7 @@ from services.envs.calls import (
 )
 from shared.bus import dead_letter
 from shared.config import EnvConfig
+from shared.lifecycle import supervise
 from shared.messages import (
     BadMessage,
     EnvCancel,
@@ -287,7 +288,7 @@ class EnvHost:
                 await request.respond_error("500", repr(exc))
 
         async def dispatch(request: Request) -> None:
-            task = asyncio.create_task(run(request))
+            task = supervise(run(request), "env_request", None)
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
@@ -473,7 +474,7 @@ class EnvHost:
         session.closed = True
         self.sessions.pop(session.session_id, None)
         if session.running is not None and not session.running.done():  # a timed-out tool is still running
-            task = asyncio.create_task(self._free(session, status))
+            task = supervise(self._free(session, status), "session_close", None)
             self._closing_tasks.add(task)
             task.add_done_callback(self._closing_tasks.discard)
         else:
