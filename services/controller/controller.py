@@ -288,6 +288,7 @@ class Controller:
         try:
             kv = await self.js.key_value(self.subjects.policy_kv)
             note = decode((await kv.get(self.subjects.policy_version_key)).value or b"", WeightsAnnouncement)
+            self.trainer_verifier.check(note)  # an entry the trainer did not sign is no version of ours
             self.policy_version = max(self.policy_version, note.version)
         except Exception as exc:  # no version yet: the initial weights (version 0)
             log.debug("policy_version_unread", error=type(exc).__name__)
