@@ -3,15 +3,20 @@ written from docs/env-protocol.md alone, beside a real nats-server with one user
 JetRL's own client (shared/envapi.py) as the rollout role: every split's tasks solved by the oracle, bad
 calls answered with error observations, resent turns deduplicated, cancel, the turn limit, the session
 limit, the idle timeout, coded errors and dead letters for bad requests, health, the micro service's
-announcement, the registry heartbeat and a clean SIGTERM. Skips, saying why, without node or npm."""
+announcement, the registry heartbeat and a clean SIGTERM. Then as a task of a run (``[env.ledger] command``):
+``jetrl eval`` with the oracle engine solves every test task through the Python rollout, and ``jetrl up``
+trains two RL steps on it, each with its embedded nats-server's per-role users. Skips, saying why, without
+node or npm."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -24,11 +29,12 @@ from nats.aio.client import Client
 
 from shared.auth import generate_passwords, server_authorization
 from shared.bus import connect, declare_topology
-from shared.config import NatsConfig
+from shared.config import JetRLConfig, NatsConfig, save_config
 from shared.envapi import ERROR_CODE_HEADER, ERROR_HEADER, EnvClient, EnvError
-from shared.messages import DeadLetter, EnvStarted, EnvStep, Heartbeat, decode
+from shared.messages import DeadLetter, EnvStarted, EnvStep, Heartbeat, Trajectory, decode
 from shared.natsd import EmbeddedNats
 from shared.subjects import Subjects
+from tests.procs import log_tails
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "examples" / "ts-ledger"
@@ -268,3 +274,89 @@ async def test_session_limit_and_idle_timeout(auth_server: AuthServer, rollout: 
     finally:
         replica.send_signal(signal.SIGTERM)
         replica.wait(timeout=10)
+
+
+# ---------------------------------------------------------------------------- the TypeScript env in a run
+def run_config(tmp_path: Path, mode: str) -> Path:
+    """A small run on the ledger task alone, served by the TypeScript program (``[env.ledger] command``);
+    no nats.url: `jetrl` starts its own server, one user per role."""
+    build_ts_ledger()
+    cfg = JetRLConfig()
+    cfg.run.dir = str(tmp_path / mode)
+    cfg.controller.tasks = {"ledger": 1.0}
+    cfg.controller.group_size = 2
+    cfg.controller.max_inflight = 4
+    cfg.rollout.max_new_tokens = 12
+    cfg.rollout.concurrency = 2
+    cfg.trainer.steps = 2
+    cfg.trainer.min_groups = 1
+    cfg.trainer.lr = 1e-3
+    cfg.trainer.kl_coef = 0.01  # an untrained model's groups all fail: the KL term still makes each step a real one
+    path = tmp_path / f"{mode}.toml"
+    save_config(cfg, path)
+    # the command runs in the config's directory; an absolute path to the program works from anywhere
+    command = json.dumps(["node", str(MAIN), "--num-train-tasks=6", "--num-test-tasks=6"])
+    path.write_text(path.read_text() + f"\n[env.ledger]\ncommand = {command}\n")
+    return path
+
+
+def jetrl(mode: str, config: Path, *flags: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "jetrl.cli", mode, "--config", str(config), "--rollouts", "1", *flags],
+                          cwd=REPO, capture_output=True, text=True, timeout=400)
+
+
+def env_log(run_dir: Path) -> str:
+    return (run_dir / "logs" / "env-ledger-0.log").read_text()
+
+
+@pytest.mark.slow
+def test_jetrl_eval_with_the_oracle_solves_every_test_task_of_the_ts_env(tmp_path: Path) -> None:
+    config = run_config(tmp_path, "eval")
+    proc = jetrl("eval", config, "--engine", "oracle")
+    run_dir = tmp_path / "eval"
+    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}\n{log_tails(run_dir)}"
+    report = json.loads((run_dir / "eval.json").read_text())["greedy"]["ledger"]
+    assert (report["episodes"], report["success"], report["well_formed_rate"]) == (6, 1.0, 1.0)
+    assert set(report["by_level"]) == {"1", "2", "3"} and set(report["by_kind"]) == {"single", "basket", "discount"}
+    log = env_log(run_dir)
+    assert '"event":"env_ready"' in log and '"event":"env_host_stopped"' in log and "Violation" not in log, log
+
+
+@pytest.mark.slow
+def test_jetrl_up_trains_two_rl_steps_on_the_ts_env(tmp_path: Path) -> None:
+    config = run_config(tmp_path, "up")
+    proc = jetrl("up", config)
+    run_dir = tmp_path / "up"
+    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}\n{log_tails(run_dir)}"
+    assert "training finished: 2 steps" in proc.stdout and "ledger: success" in proc.stdout
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(r["train/trajectories"] >= 2 and "task/ledger/success" in r for r in rows)
+    assert (run_dir / "checkpoints" / "step_000002" / "model.safetensors").is_file()
+    trajectories = asyncio.run(stored_trajectories(run_dir))
+    assert len(trajectories) >= 4 and {t.task for t in trajectories} == {"ledger"}
+    for t in trajectories:  # every turn the policy played went through the TypeScript env and came back
+        assert t.turns and t.level in (1, 2, 3) and t.task_kind in ("single", "basket", "discount")
+        assert t.status != "env_error" and t.metrics["invalid_actions"] <= t.metrics["turns"]
+    log = env_log(run_dir)
+    assert '"event":"env_ready"' in log and "Violation" not in log, log
+
+
+async def stored_trajectories(run_dir: Path) -> list[Trajectory]:
+    """The run's TRAJ stream, read back after the run from its JetStream store on a fresh server."""
+    server = EmbeddedNats(run_dir / "nats")
+    url = server.start()
+    try:
+        nc = await connect(NatsConfig(url=url), "pytest-reader")
+        prefix = (run_dir / "nats.url").read_text().split()[1]
+        sub = await nc.jetstream().subscribe(Subjects(prefix).traj(">"), ordered_consumer=True)
+        out: list[Trajectory] = []
+        try:
+            while True:
+                out.append(decode((await sub.next_msg(timeout=2.0)).data, Trajectory))
+        except Exception:  # nats TimeoutError: nothing more
+            pass
+        await nc.close()
+        return out
+    finally:
+        server.stop()
