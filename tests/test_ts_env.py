@@ -252,7 +252,7 @@ async def test_ledger_env_speaks_the_protocol(auth_server: AuthServer, admin: Cl
 
 async def test_session_limit_and_idle_timeout(auth_server: AuthServer, rollout: Client, tmp_path: Path) -> None:
     replica = start_replica(auth_server, "ledgerquick", "quick-a", tmp_path / "quick.log", "--max-sessions=2",
-                            "--session-timeout-s=1")
+                            "--session-timeout-s=4")
     try:
         env = EnvClient(rollout, Subjects(PREFIX), "ledgerquick", timeout_s=10.0)
         await wait_for_env(env)
@@ -263,8 +263,8 @@ async def test_session_limit_and_idle_timeout(auth_server: AuthServer, rollout: 
             await env.start("three", task_id)
         assert full.value.code == "503" and "limit of 2 sessions" in full.value.description
         assert (await env.health()).sessions == 2
-        deadline = time.monotonic() + 10
-        while (await env.health()).sessions and time.monotonic() < deadline:  # idle past 1 s: reaped
+        deadline = time.monotonic() + 15
+        while (await env.health()).sessions and time.monotonic() < deadline:  # idle past 4 s: reaped
             await asyncio.sleep(0.25)
         assert (await env.health()).sessions == 0
         with pytest.raises(EnvError) as reaped:
