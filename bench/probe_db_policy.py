@@ -3,7 +3,7 @@
     python bench/probe_db_policy.py MODEL_DIR [--split train|test] [--tasks N] [--temperature T]
 
 Greedy by default. No services: the db env in process, ChatML rendering and tool-call parsing from
-``services/rollout/chat.py``, the same stop token and turn limit of 96 new tokens as the rollout. It is
+``shared/chat.py``, the same stop token and turn limit of 96 new tokens as the rollout. It is
 how the warm-start checkpoints of docs/benchmarks/learning.md (round 3) were looked at by hand; a
 checkpoint directory (``model.safetensors`` only) needs the config and tokenizer files of the model it
 came from copied beside it.
@@ -18,7 +18,7 @@ import torch
 
 from services.envs.base import ToolCall, ToolError
 from services.envs.db import make_env
-from services.rollout.chat import parse_assistant, render_observation, render_opening
+from shared.chat import parse_assistant, render_observation, render_opening
 from shared.config import DBTaskConfig, EnvConfig
 from shared.model import load_model, load_tokenizer, quiet_transformers
 

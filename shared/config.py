@@ -14,12 +14,12 @@ with the new name.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import os
 import tomllib
 import typing
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, ClassVar
 
 
@@ -386,8 +386,9 @@ class ControllerConfig:
     heartbeat_ttl_s: float = opt(10.0, "a replica missing heartbeats this long is dropped from the registry")
     http_token: str = opt("", "bearer token the status API requires (Authorization: Bearer ...); empty = none")
     http_token_file: str = opt("", "file holding http_token (a Docker secret), instead of http_token")
-    env_wait_s: float = opt(120.0, "wait this long for each task's env service to list its tasks before failing "
-                                   "(a first start may build task data: KG ~2-4 min on 2 busy cores)")
+    env_wait_s: float = opt(120.0, "wait this long for each task's env service to list its tasks before failing; "
+                                   "a replica whose heartbeat says it is building its task data (KG's first start: "
+                                   "~2-4 min on 2 busy cores) is waited for as long as it builds")
 
 
 @dataclass
@@ -519,9 +520,11 @@ def _apply(cfg: JetRLConfig, path: list[str], value: Any, source: str) -> None:
             if dotted in RENAMED:
                 raise ConfigError(f"config key {dotted} is now {RENAMED[dotted]}: "
                                   f"write {_spelled(RENAMED[dotted], source)}")
+            near = difflib.get_close_matches(name, list(keys), n=1, cutoff=0.6)
+            hint = f"did you mean {'.'.join([*path[:depth], near[0]])}?" if near else f"known: {', '.join(sorted(keys))}"
             if depth == 0:
-                raise ConfigError(f"unknown config section {name!r} (known: {list(keys)})")
-            raise ConfigError(f"unknown config key {dotted} (known: {sorted(keys)})")
+                raise ConfigError(f"unknown config section {name!r} ({hint})")
+            raise ConfigError(f"unknown config key {dotted} ({hint})")
         hint = keys[name]
         if dataclasses.is_dataclass(hint):  # a section: go down, or take a TOML table key by key
             if depth + 1 < len(path):
@@ -545,8 +548,15 @@ def load_config(path: str | os.PathLike[str] | None = None, overrides: list[str]
     ``section.key=value`` overrides (``env.db.levels=1,2``)."""
     cfg = JetRLConfig()
     if path:
-        with open(path, "rb") as fh:
-            data = tomllib.load(fh)
+        try:
+            with open(path, "rb") as fh:
+                data = tomllib.load(fh)
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} does not exist") from None
+        except IsADirectoryError:
+            raise ConfigError(f"config file {path} is a directory") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
         for section, values in data.items():
             if not isinstance(values, dict):
                 raise ConfigError(f"config file {path}: top-level key {section!r} must be a [section]")
@@ -637,7 +647,11 @@ def save_config(cfg: JetRLConfig, path: str | os.PathLike[str]) -> None:
 
     for name in _keys(cfg):
         table(name, getattr(cfg, name))
-    Path(path).write_text("\n".join(lines))
+    # 0600, like the NATS passwords: a config may hold secrets (an API key, a password)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)  # an existing file keeps its mode through O_CREAT: narrow it too
+    with os.fdopen(fd, "w") as fh:
+        fh.write("\n".join(lines))
 
 
 def _toml_value(value: Any) -> str:

@@ -303,6 +303,12 @@ class Trajectory(Message, tag="trajectory", kw_only=True):
     level: int = 0
     """The task's level and kind as its env reports them (``EnvStarted``)."""
     task_kind: str = ""
+    messages: list[dict[str, Any]] = msgspec.field(default_factory=list)
+    """The episode as an OpenAI conversation: the env's opening messages, then each turn's assistant
+    message exactly as the env received it (the action log ``jetrl reverify`` replays) followed by the
+    env's answer. Empty for an episode the env could not run, or from a writer that does not record it."""
+    tools: list[dict[str, Any]] = msgspec.field(default_factory=list)
+    """The episode's tool schemas (OpenAI function-calling form), as the env opened it."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -364,12 +370,13 @@ class WeightsAnnouncement(Message, tag="weights", kw_only=True):
 
 
 class Heartbeat(Message, tag="heartbeat", kw_only=True):
-    """A replica's entry in the registry KV (key: its replica id), rewritten every few seconds."""
+    """A replica's entry in the registry KV (key: ``<user role>.<replica id>``, e.g. ``env.<id>``), rewritten every
+    few seconds."""
 
     role: str
     """What it is: ``trainer``, ``controller``, ``rollout``, ``env-<task>``."""
     replica_id: str
-    """Its id, the same as its key."""
+    """Its id, the same as its key's last token."""
     pid: int
     """Its process id on ``host``."""
     host: str

@@ -170,7 +170,8 @@ REQUIRED = {cls: {f.name: SMALLEST[_plain(f.type)] for f in msgspec.structs.fiel
 def test_wire_compatible_with_the_legacy_codec() -> None:
     """Bytes from the codec before issue 21 decode with this one and the other way round; both write
     the same bytes (bench/bench_codec.py holds the legacy codec verbatim), except the fields added since
-    (a trajectory's ``level`` and ``task_kind``, a job's ``policy_version``), which old readers skip as unknown."""
+    (a trajectory's ``level``, ``task_kind``, ``messages`` and ``tools``, a job's ``policy_version``), which old
+    readers skip as unknown."""
     legacy = importlib.import_module("bench.bench_codec")
     turns = [dict(start=2, end=4, engine_id="hf-a", policy_version=3)]
     fields = dict(episode_id="e1", group_id="g1", task="db", task_id="t1", split="train", group_size=2,
@@ -186,7 +187,8 @@ def test_wire_compatible_with_the_legacy_codec() -> None:
         (EnvStep(finish=False, reward=1, status="running", messages=[{"role": "tool", "content": "ok"}]),
          legacy.LegacyEnvStep(finish=False, reward=1, status="running", messages=[{"role": "tool", "content": "ok"}])),
     ]
-    added = {"trajectory": {"level": 0, "task_kind": ""}, "episode_job": {"policy_version": -1}}
+    added = {"trajectory": {"level": 0, "task_kind": "", "messages": [], "tools": []},
+             "episode_job": {"policy_version": -1}}
     for new, old in pairs:
         new_body, old_body = msgpack.unpackb(encode(new)), msgpack.unpackb(legacy.legacy_encode(old))
         assert new_body == {**old_body, **added.get(old_body["kind"], {})}
@@ -260,8 +262,10 @@ def test_config_task_sections_in_every_form(tmp_path) -> None:
     assert cfg.env.task_value("alfworld", "max_observation_chars") == 4000
     assert cfg.env.task_value("db", "max_observation_chars") == cfg.env.max_observation_chars == 800
     assert cfg.env.task_value("webshop", "max_sessions") == 8
-    with pytest.raises(ConfigError, match=r"unknown config key env\.db\.level \(known: \['agentbench_file'"):
+    with pytest.raises(ConfigError, match=r"unknown config key env\.db\.level \(did you mean env\.db\.levels\?\)"):
         load_config(None, ["env.db.level=1"], environ={})
+    with pytest.raises(ConfigError, match=r"unknown config key env\.db\.zzz \(known: agentbench_file, levels, "):
+        load_config(None, ["env.db.zzz=1"], environ={})
     with pytest.raises(ConfigError, match=r"config env\.db is a section: set its keys"):
         load_config(None, ["env.db=1"], environ={})
     with pytest.raises(ConfigError, match=r"env\.db\.levels\[\]: expected int, got .one."):

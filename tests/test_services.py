@@ -147,6 +147,8 @@ async def test_trainer_step_changes_the_policy_and_the_engine_loads_it(nc, confi
     before = {k: v.clone() for k, v in model.state_dict().items()}
     stats = await trainer.train_step([group])
     assert stats["task/db/success"] == 0.5 and stats["train/tokens"] == 6
+    # what the dashboard's "staleness of trained turns" shows: both turns trained at the version that made them
+    assert stats["train/staleness_hist/0"] == 2.0 and stats["train/staleness_mean"] == 0.0
     assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
     # The rollout side picks the new version up from the KV entry and the object store.
     worker = RolloutWorker(nc, nc.jetstream(), subjects, config.rollout, engine, tokenizer, "rollout-test")
@@ -267,9 +269,10 @@ async def test_controller_status_and_prometheus_metrics(nc, config, subjects) ->
         metrics = (await client.get("/metrics")).text
     assert status["episodes_finished"] == 1 and status["duplicate_trajectories"] == 1
     assert status["tasks"]["db"]["success_rate"] == 1.0 and status["trainer"]["train/loss"] == 0.25
-    assert 'jetrl_task_success_rate{task="db"} 1.0' in metrics
-    assert 'jetrl_episodes{state="finished"} 1.0' in metrics
-    assert 'jetrl_trainer{name="train/loss"} 0.25' in metrics
+    assert 'jetrl_task_success_ratio{task="db"} 1.0' in metrics
+    assert 'jetrl_episodes_finished_total{status="completed",task="db"} 1.0' in metrics
+    assert 'jetrl_trajectories_duplicate_total 1.0' in metrics
+    assert 'jetrl_trainer_loss 0.25' in metrics
     assert status["replicas"] == []
     controller.inflight["e-stale"] = 0.0  # published at the epoch: long past any timeout
     controller.expire_lost()

@@ -12,6 +12,7 @@ from shared.bus import connect, declare_topology, heartbeat_loop, replica_name
 from shared.config import from_argv
 from shared.lifecycle import close_connection, exit_code, install_stop, run, stop_if_connection_closed
 from shared.log import setup_logging
+from shared.readiness import build_announced
 from shared.subjects import Subjects, check_token
 
 # task -> module exposing make_env(cfg: EnvConfig) -> TaskEnv; imported only when served, so one
@@ -37,7 +38,7 @@ async def main(argv: list[str]) -> None:
     stop = asyncio.Event()
     install_stop(stop, grace_s=8.0)  # gone within 10 s of SIGTERM, NATS or not
 
-    env = importlib.import_module(TASK_MODULES[task]).make_env(cfg.env)
+    make_env = importlib.import_module(TASK_MODULES[task]).make_env
     async with AsyncExitStack() as stack:
         nc = await connect(cfg.nats, replica_id, role="env")
         stack.push_async_callback(close_connection, nc)
@@ -45,14 +46,17 @@ async def main(argv: list[str]) -> None:
         stack.callback(watch.cancel)
         js = nc.jetstream()
         await declare_topology(js, subjects, cfg.nats, cfg.controller.heartbeat_ttl_s, role="env")
+        # heartbeats from now on: while the task data builds they say so (the controller waits for it)
+        info = {"task": task, "max_sessions": cfg.env.max_sessions}
+        beats = asyncio.create_task(heartbeat_loop(js, subjects, f"env-{task}", replica_id, info))
+        stack.callback(beats.cancel)
+        env = await build_announced(info, lambda: make_env(cfg.env))
         host = EnvHost(env, cfg.env, subjects, replica_id)
         service = await host.serve(nc, js)
         stack.push_async_callback(host.shutdown)
         stack.push_async_callback(service.stop)
-        for job in (host.reap_idle(), heartbeat_loop(js, subjects, f"env-{task}", replica_id,
-                                                     {"task": task, "max_sessions": cfg.env.max_sessions})):
-            bg = asyncio.create_task(job)
-            stack.callback(bg.cancel)
+        reaper = asyncio.create_task(host.reap_idle())
+        stack.callback(reaper.cancel)
         log.info("env_ready", task=task, train_tasks=len(env.task_ids("train")), test_tasks=len(env.task_ids("test")))
         await stop.wait()
         log.info("env_stopping", task=task, open_sessions=len(host.sessions))
