@@ -29,7 +29,7 @@ from nats.aio.client import Client
 
 from shared.auth import generate_passwords, server_authorization
 from shared.bus import connect, declare_topology
-from shared.config import JetRLConfig, NatsConfig, save_config
+from shared.config import JetRLConfig, NatsConfig, load_config, save_config
 from shared.envapi import ERROR_CODE_HEADER, ERROR_HEADER, EnvClient, EnvError
 from shared.messages import DeadLetter, EnvStarted, EnvStep, Heartbeat, Trajectory, decode
 from shared.natsd import EmbeddedNats
@@ -348,7 +348,7 @@ async def stored_trajectories(run_dir: Path) -> list[Trajectory]:
     url = server.start()
     try:
         nc = await connect(NatsConfig(url=url), "pytest-reader")
-        prefix = (run_dir / "nats.url").read_text().split()[1]
+        prefix = load_config(str(run_dir / "config.toml")).nats.prefix
         sub = await nc.jetstream().subscribe(Subjects(prefix).traj(">"), ordered_consumer=True)
         out: list[Trajectory] = []
         try:
