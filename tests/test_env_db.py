@@ -13,11 +13,13 @@ import pytest
 from services.envs.base import ToolCall
 from services.envs.db import make_env
 from services.envs.db.backends import Limits, SQLiteDB
+from services.envs.db.config import DBTaskConfig
 from services.envs.db.grading import clean_answer, compare, rows_hash
 from services.envs.db.tasks import Table
 from services.envs.host import EnvHost
-from shared.config import DBTaskConfig, EnvConfig, JetRLConfig
+from shared.config import EnvConfig, JetRLConfig
 from shared.envapi import EnvClient
+from tests.host_turns import HostSession, assistant_calls
 
 
 def sql(query: str) -> ToolCall:
@@ -108,7 +110,7 @@ def test_generated_tasks_are_stable_disjoint_and_cover_levels_and_types(env) -> 
 
 
 def test_db_levels_selects_a_curriculum_and_refuses_the_rest() -> None:
-    easy = make_env(EnvConfig(num_train_tasks=12, num_test_tasks=9, db=DBTaskConfig(levels=[1, 2])))
+    easy = make_env(EnvConfig(num_train_tasks=12, num_test_tasks=9, sections={"db": DBTaskConfig(levels=[1, 2])}))
     try:
         ids = easy.task_ids("test")
         assert ids == ["test-00000", "test-00001", "test-00003", "test-00004", "test-00006", "test-00007"]
@@ -119,7 +121,7 @@ def test_db_levels_selects_a_curriculum_and_refuses_the_rest() -> None:
     finally:
         easy.close()
     with pytest.raises(ValueError, match=r"env\.db\.levels"):
-        make_env(EnvConfig(db=DBTaskConfig(levels=[4])))
+        make_env(EnvConfig(sections={"db": DBTaskConfig(levels=[4])}))
 
 
 def test_oracle_solves_a_sample_of_generated_tasks(env) -> None:
@@ -160,7 +162,7 @@ def test_source_catalogues_build_deterministically(tmp_path: Path) -> None:
 
 # ---------------------------------------------------------------------------- AgentBench dev
 def dev_env(agentbench: Path) -> object:
-    cfg = EnvConfig(db=DBTaskConfig(agentbench_file=str(agentbench / "dbbench" / "dev.jsonl")))
+    cfg = EnvConfig(sections={"db": DBTaskConfig(agentbench_file=str(agentbench / "dbbench" / "dev.jsonl"))})
     return make_env(cfg)
 
 
@@ -331,3 +333,24 @@ async def test_served_over_nats_oracle_episodes_and_bad_actions(config, subjects
     finally:
         await host.shutdown()
         await service.stop()
+
+
+# ----------------------------------------------------------------------------- several calls in one message
+async def test_several_calls_in_one_message_all_run_in_order_as_agentbench(env) -> None:
+    """AgentBench's dbbench runs every call of a message in order, each answered (a bad one with its error),
+    until commit_final_answer ends the episode: the calls after it do not run."""
+    task_id = env.task_ids("train")[0]
+    session = HostSession(env, EnvConfig(num_train_tasks=180, num_test_tasks=60))
+    try:
+        await session.start(task_id, "train")
+        step = await session.turn(assistant_calls(("execute_sql", {"query": "SELECT 1 + 1"}), ("drop_everything", {}),
+                                          ("execute_sql", {"query": "SELECT 40 + 2"})))
+        assert [m["tool_call_id"] for m in step.messages] == ["c0", "c1", "c2"] and not step.finish
+        assert [m["content"] for m in step.messages][::2] == ["[(2,)]", "[(42,)]"]
+        assert "Unknown tool" in step.messages[1]["content"] and step.metrics["turns"] == 1.0
+        assert step.metrics["invalid_actions"] == 1.0
+        step = await session.turn(assistant_calls(("commit_final_answer", {"answers": ["?"]}),
+                                          ("execute_sql", {"query": "SELECT 3"})))
+        assert step.finish and step.status == "completed" and [m["tool_call_id"] for m in step.messages] == ["c0"]
+    finally:
+        await session.close()

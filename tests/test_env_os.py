@@ -20,6 +20,7 @@ import pytest
 from services.envs.base import ToolCall, ToolError
 from services.envs.host import EnvHost
 from services.envs.os_task import OSEnv, OSEpisode
+from services.envs.os_task.config import OSTaskConfig
 from services.envs.os_task.sandbox import BwrapSandbox, SandboxError, rootfs_path
 from services.envs.os_task.tasks import (
     COMPARISONS,
@@ -31,9 +32,9 @@ from services.envs.os_task.tasks import (
     generate_split,
     parse_agentbench,
 )
-from shared.config import EnvConfig, OSTaskConfig
+from shared.config import EnvConfig
 from shared.envapi import EnvClient, EnvError
-from tests.sandbox_checks import assert_limits_hold
+from tests.sandbox_checks import BEHAVIOUR_TASKS, assert_behaves_like_agentbenchs_container, assert_limits_hold
 
 ALL_COMMANDS = ("bwrap", "mmdebstrap", "unshare", "mount")
 
@@ -50,7 +51,7 @@ def env() -> OSEnv:
     if reason := sandbox_missing():
         pytest.skip(reason)
     cfg = EnvConfig(task="os", num_train_tasks=6, num_test_tasks=6,
-                    os=OSTaskConfig(command_timeout_s=3.0, disk_mb=64, memory_mb=256))
+                    sections={"os": OSTaskConfig(command_timeout_s=3.0, disk_mb=64, memory_mb=256)})
     env = OSEnv(cfg)
     env.rootfs("default")  # built once (mmdebstrap, ~30 s-2 min) and cached, as `make setup-os` does
     yield env
@@ -190,7 +191,7 @@ def test_generated_tasks_oracle_solves_and_wrong_answers_fail(env: OSEnv) -> Non
             if episode.task.wants_answer:  # gold from the fresh sandbox, tampering cannot change it
                 episode.call(ToolCall("bash_action", {"script": "rm -rf /root/* /srv /opt /home/* /var/tmp/*"}))
                 return episode.call(ToolCall("answer_action", {"answer": episode.gold.strip() + "x"})).reward
-            return episode.call(ToolCall("finish_action", {})).reward  # nothing done
+            return episode.call(ToolCall("finish_action", {"thought": "done"})).reward  # nothing done
         finally:
             episode.close()
 
@@ -207,7 +208,7 @@ def test_agentbench_training_tasks_init_gold_check(agentbench: Path) -> None:
         pytest.skip(reason)
     path = agentbench / "os_interaction" / "train_0317" / "training.json"
     env = OSEnv(EnvConfig(task="os", num_train_tasks=0, num_test_tasks=0,
-                          os=OSTaskConfig(agentbench_train=[str(path)])))
+                          sections={"os": OSTaskConfig(agentbench_train=[str(path)])}))
     ids = env.task_ids("train")
     assert len(ids) == 1000 and not env.skipped
     sample = ids[::67]
@@ -239,7 +240,7 @@ def test_agentbench_dev_tasks_with_start_and_match(agentbench: Path) -> None:
     if reason := sandbox_missing():
         pytest.skip(reason)
     env = OSEnv(EnvConfig(task="os", num_train_tasks=0, num_test_tasks=0,
-                          os=OSTaskConfig(agentbench_test=[str(agentbench / "os_interaction" / "data" / "dev.json")])))
+                          sections={"os": OSTaskConfig(agentbench_test=[str(agentbench / "os_interaction" / "data" / "dev.json")])}))
     assert len(env.task_ids("test")) == 23 and all("not available" in r for r in env.skipped.values())
     with ThreadPoolExecutor(4) as pool:
         rewards = list(pool.map(lambda t: solve(env, t, "test"), env.task_ids("test")))
@@ -330,7 +331,7 @@ async def test_served_over_nats_oracle_episodes_and_bad_actions(env: OSEnv, conf
             (call("rm_action", {"path": "/"}), "Unknown tool"),
             (call("bash_action", {}), "missing argument"),
             (call("bash_action", {"script": 7}), "must be of type string"),
-            (call("finish_action", {"thought": "done"}), "unexpected argument"),
+            (call("finish_action", {"thought": "done", "answer": "1"}), "unexpected argument"),
             ({"role": "assistant", "content": "ls"}, "No tool call"),
         ]
         for message, expect in bad:
@@ -435,8 +436,8 @@ def write_agentbench_layout(root: Path) -> None:
 
 def test_agentbench_layout_finds_scripts_and_keeps_ids_apart(tmp_path: Path) -> None:
     write_agentbench_layout(tmp_path)
-    env = OSEnv(EnvConfig(task="os", num_train_tasks=0, num_test_tasks=0, os=OSTaskConfig(
-        agentbench_test=[str(tmp_path / "data" / "*" / "new.json"), str(tmp_path / "data" / "dev.json")])))
+    env = OSEnv(EnvConfig(task="os", num_train_tasks=0, num_test_tasks=0, sections={"os": OSTaskConfig(
+        agentbench_test=[str(tmp_path / "data" / "*" / "new.json"), str(tmp_path / "data" / "dev.json")])}))
     ids = env.task_ids("test")
     assert ids == ["ab-1-new-00000", "ab-1-new-00001", "ab-2-new-00000", "ab-2-new-00001", "ab-dev-00000"]
     assert not env.skipped
@@ -445,68 +446,35 @@ def test_agentbench_layout_finds_scripts_and_keeps_ids_apart(tmp_path: Path) -> 
     assert env.tasks["test"]["ab-dev-00000"].example.code == "echo dev > /root/word\n"
     env.close()
     # an explicit scripts folder (AgentBench's script_dir) wins over the layout
-    env = OSEnv(EnvConfig(task="os", num_train_tasks=0, num_test_tasks=0, os=OSTaskConfig(
-        agentbench_train=[f"{tmp_path / 'data' / '1' / 'new.json'}={tmp_path / 'scripts' / '2'}"])))
+    env = OSEnv(EnvConfig(task="os", num_train_tasks=0, num_test_tasks=0, sections={"os": OSTaskConfig(
+        agentbench_train=[f"{tmp_path / 'data' / '1' / 'new.json'}={tmp_path / 'scripts' / '2'}"])}))
     assert env.tasks["train"]["ab-1-new-00000"].check[0].code.strip().endswith("= two ]")
     env.close()
     # the same file twice (or two files with the same id) is an error, never an overwrite
     with pytest.raises(ValueError, match="ab-1-new-00000 .* also the id"):
-        OSEnv(EnvConfig(task="os", num_train_tasks=0, num_test_tasks=0, os=OSTaskConfig(
+        OSEnv(EnvConfig(task="os", num_train_tasks=0, num_test_tasks=0, sections={"os": OSTaskConfig(
             agentbench_train=[str(tmp_path / "data" / "1" / "new.json")],
-            agentbench_test=[str(tmp_path / "data" / "1" / "*.json")])))
+            agentbench_test=[str(tmp_path / "data" / "1" / "*.json")])}))
     with pytest.raises(FileNotFoundError, match="no AgentBench task file matches"):
         OSEnv(EnvConfig(task="os", num_train_tasks=0, num_test_tasks=0,
-                        os=OSTaskConfig(agentbench_test=[str(tmp_path / "nothing" / "*.json")])))
+                        sections={"os": OSTaskConfig(agentbench_test=[str(tmp_path / "nothing" / "*.json")])}))
 
 
-def test_sandbox_behaves_like_agentbenchs_container(tmp_path: Path) -> None:
-    """`find /` as root passes, offline apt, Docker's open-file limit (where this host lets root raise it),
-    `su - user` in `start` switches the agent's shell, and a gold that counts processes sees what the agent saw."""
+async def test_sandbox_behaves_like_agentbenchs_container(tmp_path: Path) -> None:
+    """The behaviour checks both backends pass (tests/sandbox_checks.py), on bwrap."""
     if reason := sandbox_missing():
         pytest.skip(reason)
-    tasks = [
-        {"description": "What does ~/test print?",
-         "start": "useradd -s /bin/bash -d /home/jack -m jack && cd /home/jack && echo 'echo love' > test && "
-                  "chmod 000 test && chown jack test && su - jack", "evaluation": {"match": "love"}},
-        {"description": "How many processes are running?", "create": {"init": "for i in 1 2 3; do (sleep 60) & done"},
-         "evaluation": {"check": [None, {"language": "python", "file": "check/integer-match.py"}],
-                        "example": "ps -A | wc -l"}},
-    ]  # (`ps -ef | grep bash | grep -v grep | wc -l` is left out: a shell's children show its command line
-    # until they exec, so that count races, for the agent as for the check, here as in Docker)
-    (tmp_path / "box.json").write_text(json.dumps(tasks))
-    env = OSEnv(EnvConfig(task="os", num_train_tasks=0, num_test_tasks=0,
-                          os=OSTaskConfig(agentbench_test=[str(tmp_path / "box.json")])))
-    env.rootfs("default")
-    try:
-        ep = env.open("ab-box-00000", "test", 0)
-        try:
-            def sh(script: str) -> str:
-                return ep.call(ToolCall("bash_action", {"script": script})).content.split("\n\n", 1)[-1]
+    (tmp_path / "box.json").write_text(json.dumps(BEHAVIOUR_TASKS))
 
-            assert sh("whoami; pwd") == "jack\n/home/jack\n"
-            assert sh("~/test; echo rc=$?").endswith("rc=126\n")  # jack may not run it (mode 000)
-            assert sh("exit; true") == "The output of the OS is empty."
-            assert sh("whoami") == "root\n"
-            assert sh("find / -name no-such-file >/dev/null; echo rc=$?") == "rc=0\n"
-            # apt works offline for what AgentBench's tasks install (a local repository in the rootfs)
-            assert sh("apt-get remove -y -q sudo >/dev/null 2>&1 && apt-get update -q >/dev/null 2>&1 && "
-                      "apt-get install -y -q sudo >/dev/null 2>&1; echo rc=$?; sudo whoami 2>&1") == "rc=0\nroot\n"
-            host_hard = int(subprocess.run(["sh", "-c", "ulimit -Hn"], capture_output=True, text=True).stdout)
-            want = 1 << 20 if _can_raise_nofile() else min(1 << 20, host_hard)  # a container host may lack the cap
-            assert sh("ulimit -n; ulimit -Hn") == f"{want}\n{want}\n"
-            assert ep.call(ToolCall("answer_action", {"answer": "love"})).reward == 1.0
-        finally:
-            ep.close()
-        for task_id in ("ab-box-00001",):
-            ep = env.open(task_id, "test", 0)
-            try:
-                seen = int(ep.call(ToolCall("bash_action", {"script": ep.oracle_script()})).content.split()[-1])
-                assert ep.judge(str(seen + 1))[0] is False and ep.judge(str(seen - 1))[0] is False
-                assert ep.call(ToolCall("answer_action", {"answer": str(seen)})).reward == 1.0, task_id
-            finally:
-                ep.close()
-    finally:
-        env.close()
+    def make_env(action_timeout_s: float) -> OSEnv:
+        env = OSEnv(EnvConfig(task="os", num_train_tasks=0, num_test_tasks=0, action_timeout_s=action_timeout_s,
+                              sections={"os": OSTaskConfig(agentbench_test=[str(tmp_path / "box.json")])}))
+        env.rootfs("default")
+        return env
+
+    host_hard = int(subprocess.run(["sh", "-c", "ulimit -Hn"], capture_output=True, text=True).stdout)
+    want = 1 << 20 if _can_raise_nofile() else min(1 << 20, host_hard)  # a container host may lack the cap
+    await assert_behaves_like_agentbenchs_container(make_env, want)
 
 
 def _can_raise_nofile() -> bool:
