@@ -5,7 +5,8 @@ calls answered with error observations, resent turns deduplicated, cancel, the t
 limit, the idle timeout, coded errors and dead letters for bad requests, health, the micro service's
 announcement, the registry heartbeat and a clean SIGTERM. Then as a task of a run (``[env.ledger] command``):
 ``jetrl eval`` with the oracle engine solves every test task through the Python rollout, and ``jetrl up``
-trains two RL steps on it, each with its embedded nats-server's per-role users. Skips, saying why, without
+trains two RL steps on it, each with its embedded nats-server's per-role users; ``jetrl env-check ledger``
+passes. Skips, saying why, without
 node or npm."""
 
 from __future__ import annotations
@@ -310,8 +311,11 @@ def env_log(run_dir: Path) -> str:
 
 
 @pytest.mark.slow
-def test_jetrl_eval_with_the_oracle_solves_every_test_task_of_the_ts_env(tmp_path: Path) -> None:
+def test_env_check_passes_and_jetrl_eval_with_the_oracle_solves_every_test_task_of_the_ts_env(tmp_path: Path) -> None:
     config = run_config(tmp_path, "eval")
+    check = subprocess.run([sys.executable, "-m", "jetrl.cli", "env-check", "ledger", "--config", str(config)],
+                           cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert check.returncode == 0 and ", 0 failed" in check.stdout, check.stdout + check.stderr
     proc = jetrl("eval", config, "--engine", "oracle")
     run_dir = tmp_path / "eval"
     assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}\n{log_tails(run_dir)}"
