@@ -3,11 +3,10 @@ written from docs/env-protocol.md alone, beside a real nats-server with one user
 JetRL's own client (shared/envapi.py) as the rollout role: every split's tasks solved by the oracle, bad
 calls answered with error observations, resent turns deduplicated, cancel, the turn limit, the session
 limit, the idle timeout, coded errors and dead letters for bad requests, health, the micro service's
-announcement, the registry heartbeat and a clean SIGTERM. Then as a task of a run (``[env.ledger] command``):
-``jetrl eval`` with the oracle engine solves every test task through the Python rollout, and ``jetrl up``
-trains two RL steps on it, each with its embedded nats-server's per-role users; ``jetrl env-check ledger``
-passes. Skips, saying why, without
-node or npm."""
+announcement, the registry heartbeat, replies that fit the spec's JSON Schemas and a clean SIGTERM.
+Then as a task of a run (``[env.ledger] command``): ``jetrl env-check ledger`` passes, ``jetrl eval`` with
+the oracle engine solves every test task through the Python rollout, and ``jetrl up`` trains two RL steps
+on it, each with its embedded nats-server's per-role users. Skips, saying why, without node or npm."""
 
 from __future__ import annotations
 
@@ -24,15 +23,17 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import jsonschema
 import msgspec
 import pytest
 from nats.aio.client import Client
 
+from jetrl.schema import SCHEMA_DIR
 from shared.auth import generate_passwords, server_authorization
 from shared.bus import connect, declare_topology
 from shared.config import JetRLConfig, NatsConfig, load_config, save_config
 from shared.envapi import ERROR_CODE_HEADER, ERROR_HEADER, EnvClient, EnvError
-from shared.messages import DeadLetter, EnvStarted, EnvStep, Heartbeat, Trajectory, decode
+from shared.messages import DeadLetter, EnvOracle, EnvStart, EnvStarted, EnvStep, Heartbeat, Trajectory, decode, encode
 from shared.natsd import EmbeddedNats
 from shared.subjects import Subjects
 from tests.procs import log_tails
@@ -224,6 +225,19 @@ async def test_ledger_env_speaks_the_protocol(auth_server: AuthServer, admin: Cl
             ("ledger-a", "ledger", 64, {"train": 9, "test": 6})
         assert health.sessions == 3 and health.sessions_started == 12 and health.interact_ms_p99 > 0
 
+        # the bytes a TypeScript writer sends fit the spec's JSON Schemas (docs/schemas/, from shared/messages.py)
+        schemas = {kind: json.loads((SCHEMA_DIR / f"{kind}.json").read_text())
+                   for kind in ("env_started", "env_step", "env_interact", "env_health", "heartbeat")}
+        started = await rollout.request(subjects.env_start("ledger"), encode(EnvStart(session_id="raw", task_id=test[2],
+                                                                                      split="test")), timeout=5)
+        move = await rollout.request(subjects.env_oracle("ledger", "ledger-a"), encode(EnvOracle(session_id="raw")),
+                                     timeout=5)
+        step = await rollout.request(subjects.env_interact("ledger", "ledger-a"), move.data, timeout=5)
+        raw_health = await rollout.request(subjects.env_health("ledger"), b"", timeout=5)
+        for kind, data in (("env_started", started.data), ("env_interact", move.data), ("env_step", step.data),
+                           ("env_health", raw_health.data)):
+            jsonschema.validate(msgspec.msgpack.decode(data), schemas[kind])
+
         # what it announces: the micro service (name, version, metadata, endpoints) and its heartbeat
         info = msgspec.json.decode((await admin.request(f"$SRV.INFO.{subjects.env_service_name('ledger')}", b"",
                                                         timeout=5)).data)
@@ -234,7 +248,9 @@ async def test_ledger_env_speaks_the_protocol(auth_server: AuthServer, admin: Cl
             "health": subjects.env_health("ledger"), "interact": subjects.env_interact("ledger", "ledger-a"),
             "cancel": subjects.env_cancel("ledger", "ledger-a"), "oracle": subjects.env_oracle("ledger", "ledger-a")}
         kv = await admin.jetstream().key_value(subjects.registry_kv)
-        beat = decode((await kv.get(Subjects.registry_key("env-ledger", "ledger-a"))).value, Heartbeat)
+        entry = await kv.get(Subjects.registry_key("env-ledger", "ledger-a"))
+        jsonschema.validate(msgspec.msgpack.decode(entry.value), schemas["heartbeat"])
+        beat = decode(entry.value, Heartbeat)
         assert (beat.role, beat.replica_id, beat.pid, beat.info) == ("env-ledger", "ledger-a", replica.pid,
                                                                      {"task": "ledger", "max_sessions": 64})
         assert time.time() - beat.ts < 5
