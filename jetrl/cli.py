@@ -5,15 +5,19 @@
     jetrl sft [--config FILE] [...]     # warm start on oracle demonstrations -> <run>/model
     jetrl eval [--config FILE] [...]    # test split, greedy, per-task report -> <run>/eval.json
     jetrl eval --engine openai --base-url URL --model NAME   # the same, any OpenAI-compatible server
-    jetrl eval --suite bfcl [...]       # BFCL's offline categories, per-category accuracy
+    jetrl eval --suite TASK [...]       # one task alone (an eval-only benchmark task), per-category accuracy
     jetrl serve [--config FILE] [...]   # the policy over the OpenAI API, following weight broadcasts
     jetrl probe [--config FILE] [...]   # eval, greedy and sampled, per task / level / kind
     jetrl watch [--run-dir DIR | --url NATS_URL --prefix P] [--task T] [--events]
     jetrl status [--run-dir DIR]
+    jetrl creds observer [--run-dir DIR]   # read-only NATS credentials for outside readers (context file, URL)
+    jetrl export [--run-dir DIR | --url NATS_URL --prefix P] -o FILE.parquet|.jsonl [filters]   # docs/data.md
     jetrl config [--task T]   # every config key with its default and help; with a task, only
                               # what its env service reads: [env] and [env.<task>]
+    jetrl env-check TASK [--config FILE]   # a task's env against the env contract: oracle, bad calls, cancel
     jetrl topology [--config FILE]   # declare streams and buckets as the NATS admin (compose)
     jetrl secrets [--env compose/.env]   # per-role NATS passwords + status API token for compose
+    jetrl schema [--check]   # message schemas (docs/schemas/) and the env protocol's field tables
 
 ``up`` starts an embedded nats-server (unless ``nats.url`` is set) and every service as its own
 process (``python -m services.<role>``), prints one progress line per training step, and stops
@@ -35,6 +39,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,22 +47,34 @@ from typing import Any
 
 import structlog
 
+from jetrl.access import close_status_api, cmd_creds, dashboard_link
+from jetrl.errors import CliError, run_cli
+from jetrl.export import add_arguments as add_export_arguments
+from jetrl.export import cmd_export
+from jetrl.outcome import RunOutcome
+from jetrl.preflight import check_config
+from jetrl.schema import add_arguments as add_schema_arguments
+from jetrl.schema import run as run_schema
 from shared.auth import (
     CLUSTER_PASSWORD_ENV,
     ROLES,
     controller_token,
+    credentials,
     env_password,
     generate_passwords,
     password_env_var,
+    password_file,
     server_authorization,
 )
 from shared.bus import connect, declare_topology
-from shared.config import TASKS, JetRLConfig, describe, load_config, save_config
+from shared.config import JetRLConfig, describe, load_config, save_config
+from shared.consumers import declare_durables
 from shared.log import setup_logging
 from shared.messages import ActionEvent, BadMessage, MetricsReport, ObservationEvent, Trajectory, decode, encode
 from shared.natsd import EmbeddedNats
 from shared.progress import Progress, format_duration
 from shared.subjects import Subjects
+from shared.tasks import ExternalEnv, TaskSource, find_task
 
 log = structlog.get_logger()
 
@@ -78,6 +95,11 @@ class Child:
 
     module_args: list[str]
     overrides: list[str]
+    command: list[str] | None = None
+    """An external program (``[env.<task>] command``) run as it is, instead of ``python -m <module_args>``."""
+    environ: dict[str, str] | None = None
+    """Variables set for it on top of this process's environment (shared/tasks.py: ExternalEnv)."""
+    cwd: str | None = None
     restarts: int = 0
     started_at: float = 0.0  # monotonic time of its latest start
     failing: int = 0  # deaths in a row, each within crash_window_s of its start
@@ -105,16 +127,18 @@ class Supervisor:
         self.restarts: dict[str, int] = {}
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
 
-    def spawn(self, name: str, module_args: list[str], overrides: list[str] | None = None) -> None:
-        child = self.children.setdefault(name, Child(module_args, list(overrides or [])))
+    def spawn(self, name: str, module_args: list[str], overrides: list[str] | None = None,
+              command: list[str] | None = None, environ: dict[str, str] | None = None, cwd: str | None = None) -> None:
+        child = self.children.setdefault(name, Child(module_args, list(overrides or []), command, environ, cwd))
         log = open(self.run_dir / "logs" / f"{name}.log", "ab")
         if child.restarts:
             log.write(f"=== jetrl up: restart {child.restarts} of {name} (last exit {child.last_rc}) ===\n".encode())
             log.flush()
         child.started_at = time.monotonic()
-        cmd = [sys.executable, "-m", *child.module_args, "--config", str(self.config_path), *child.overrides]
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        self.procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+        cmd = child.command or [sys.executable, "-m", *child.module_args, "--config", str(self.config_path),
+                                *child.overrides]
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **(child.environ or {}))
+        self.procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=child.cwd,
                                             start_new_session=True, preexec_fn=_die_with_parent)
         log.close()
 
@@ -148,7 +172,7 @@ class Supervisor:
             elif now >= child.restart_at:
                 child.restart_at = None
                 child.restarts += 1
-                self.spawn(name, child.module_args, child.overrides)
+                self.spawn(name, child.module_args, child.overrides, child.command, child.environ, child.cwd)
                 done.append(self._count(name))
         return done
 
@@ -218,16 +242,19 @@ async def _follow_progress(cfg: JetRLConfig, url: str, sup: Supervisor, stop: as
             pass
 
     await nc.subscribe(subjects.metrics("trainer"), cb=on_metrics)
+    outcome = RunOutcome()
+    await outcome.follow(nc, subjects)
     started, rc = time.monotonic(), 0
-    evaluation = _EvalProgress(sup.run_dir) if main_role == "controller" else None
+    evaluation = _EvalProgress(sup.run_dir, token=controller_token(cfg.controller)) if main_role == "controller" \
+        else None
     url_file, announced = sup.run_dir / "controller.url", False
     last_report = 0.0
     try:
         while not stop.is_set():
             if not announced and url_file.is_file():
                 announced = True
-                print(f"dashboard: {url_file.read_text().strip()}/dashboard  (live charts, replicas, trajectories)",
-                      flush=True)
+                print(f"dashboard: {dashboard_link(url_file.read_text().strip(), controller_token(cfg.controller))}"
+                      "  (live charts, replicas, trajectories)", flush=True)
             if evaluation is not None:
                 await evaluation.poll()
             try:
@@ -246,6 +273,10 @@ async def _follow_progress(cfg: JetRLConfig, url: str, sup: Supervisor, stop: as
                       f"{elapsed:.0f}s  eta {format_duration(eta)}", flush=True)
             except TimeoutError:
                 pass
+            if outcome.failure is not None:
+                print(outcome.line(sup.run_dir), file=sys.stderr, flush=True)
+                rc = 1
+                break
             main = sup.procs[main_role]
             if main.poll() is not None and main.returncode == 0:
                 if main_role == "trainer":
@@ -255,7 +286,7 @@ async def _follow_progress(cfg: JetRLConfig, url: str, sup: Supervisor, stop: as
             try:
                 restarted = sup.supervise(finished=None)
             except CrashLoop as exc:
-                print(f"jetrl up: {exc}", file=sys.stderr, flush=True)
+                print(f"jetrl up: run failed: {exc}", file=sys.stderr, flush=True)
                 rc = 1
                 break
             if (restarted or time.monotonic() - last_report > 5.0) and sup.restarts and nc.is_connected:
@@ -272,10 +303,12 @@ async def _follow_progress(cfg: JetRLConfig, url: str, sup: Supervisor, stop: as
 
 
 async def _declare_topology(cfg: JetRLConfig) -> None:
+    """Streams, buckets and the run's durable consumers, as the admin: no service role may create them."""
     nc = await connect(cfg.nats, "jetrl-up-admin", role="admin")
     try:
-        await declare_topology(nc.jetstream(), Subjects(cfg.nats.prefix), cfg.nats, cfg.controller.heartbeat_ttl_s,
-                               role="admin")
+        js, subjects = nc.jetstream(), Subjects(cfg.nats.prefix)
+        await declare_topology(js, subjects, cfg.nats, cfg.controller.heartbeat_ttl_s, role="admin")
+        await declare_durables(js, subjects, cfg)
     finally:
         await nc.close()
 
@@ -291,8 +324,8 @@ class _EvalProgress:
     """`jetrl eval` / `probe`: finished episodes against the controller's plan, per task, with an ETA
     (read from its /status every few seconds; a bar on a terminal, a line every 10 s otherwise)."""
 
-    def __init__(self, run_dir: Path, every_s: float = 2.0) -> None:
-        self.run_dir, self.every_s = run_dir, every_s
+    def __init__(self, run_dir: Path, every_s: float = 2.0, token: str = "") -> None:
+        self.run_dir, self.every_s, self.token = run_dir, every_s, token
         self.bar: Progress | None = None
         self._last = 0.0
 
@@ -302,7 +335,7 @@ class _EvalProgress:
         self._last = time.monotonic()
         try:
             url = (self.run_dir / "controller.url").read_text().strip()
-            status = await asyncio.to_thread(_get_json, f"{url}/status")
+            status = await asyncio.to_thread(_get_json, f"{url}/status", self.token)
         except (OSError, ValueError):
             return  # the controller is not up yet
         planned = status.get("eval_planned") or {}
@@ -314,8 +347,9 @@ class _EvalProgress:
         self.bar.set(sum(done.values()), "  ".join(f"{t} {done[t]}/{n}" for t, n in sorted(planned.items())))
 
 
-def _get_json(url: str) -> Any:
-    with urllib.request.urlopen(url, timeout=2) as resp:
+def _get_json(url: str, token: str = "") -> Any:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=2) as resp:
         return json.load(resp)
 
 
@@ -343,23 +377,45 @@ def eval_overrides(args: argparse.Namespace) -> list[str]:
     return out
 
 
+def preflight(cfg: JetRLConfig, serving: bool = False) -> None:
+    problems = check_config(cfg, serving=serving)
+    if problems:
+        raise CliError("\n".join(problems))
+
+
 def trainer_command(ranks: int, torch_threads: int) -> tuple[list[str], list[str]]:
     """The trainer's module arguments and overrides: one process, or ``ranks`` data-parallel DeepSpeed
     ranks under torchrun on this host (rank 0 is the service; the cores are shared among the ranks)."""
     if ranks < 1:
-        raise SystemExit(f"--trainer-ranks must be >= 1, got {ranks}")
+        raise CliError(f"--trainer-ranks must be >= 1, got {ranks}")
     if ranks == 1:
         return ["services.trainer"], []
     if importlib.util.find_spec("deepspeed") is None:
-        raise SystemExit("--trainer-ranks > 1 runs the DeepSpeed backend, which is not installed: "
+        raise CliError("--trainer-ranks > 1 runs the DeepSpeed backend, which is not installed: "
                          "`make venv-deepspeed` (mk/vllm.mk) installs it without touching torch")
     return (["torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", "-m", "services.trainer"],
             ["--trainer.backend=deepspeed", f"--trainer.torch_threads={max(1, torch_threads // ranks)}"])
 
 
+def spawn_env(sup: Supervisor, cfg: JetRLConfig, source: TaskSource, replica: int, cwd: str) -> None:
+    """One replica of a task's env: ``python -m services.envs TASK``, or the task's own program (``command``)
+    with the variables of ``ExternalEnv``, started in ``cwd`` (the config's directory)."""
+    name = f"env-{source.task}-{replica}"
+    if not source.command:
+        sup.spawn(name, ["services.envs", source.task])
+        return
+    told = ExternalEnv(nats_url=cfg.nats.url, nats_user=credentials(cfg.nats, "env").user,
+                       nats_password_file=password_file(cfg.nats, "env"), nats_prefix=cfg.nats.prefix,
+                       task=source.task, replica_id=name, heartbeat_ttl_s=cfg.controller.heartbeat_ttl_s)
+    sup.spawn(name, [], command=list(source.command), environ=told.environ(), cwd=cwd)
+
+
 def cmd_up(args: argparse.Namespace, overrides: list[str], mode: str = "up") -> int:
     cfg = load_config(args.config, MODE_DEFAULTS[mode] + eval_overrides(args) + overrides)
+    preflight(cfg)  # before anything starts: a mistake in one line now, not a crash loop in minutes
     trainer_command(getattr(args, "trainer_ranks", 1), cfg.trainer.torch_threads)  # a bad --trainer-ranks: say so first
+    sources = {task: find_task(task, cfg.env) for task, share in cfg.controller.tasks.items() if share > 0}
+    command_dir = str(Path(args.config).resolve().parent) if args.config else os.getcwd()
     run_dir = Path(cfg.run.dir).resolve()
     if not getattr(args, "resume", False):
         _keep_earlier_run(run_dir, mode)
@@ -382,9 +438,10 @@ def cmd_up(args: argparse.Namespace, overrides: list[str], mode: str = "up") -> 
             if server is not None:
                 server.stop()
             raise
+    close_status_api(cfg, run_dir)  # a token per run, in a 0600 file: the config names the file only
     config_path = run_dir / "config.toml"
     save_config(cfg, config_path)  # before nats.url: `jetrl watch` reads the credentials' place from it
-    (run_dir / "nats.url").write_text(f"{cfg.nats.url}\n{cfg.nats.prefix}\n")
+    (run_dir / "nats.url").write_text(f"{cfg.nats.url}\n{cfg.nats.prefix}\n")  # outside tools: jetrl creds observer
     print(f"jetrl {mode}: run directory {run_dir}, NATS {cfg.nats.url} (prefix {cfg.nats.prefix})", flush=True)
     print(f"jetrl {mode}: watch live episodes with `jetrl watch --run-dir {run_dir} --events`", flush=True)
     sup = Supervisor(cfg, config_path, run_dir, server)
@@ -392,10 +449,9 @@ def cmd_up(args: argparse.Namespace, overrides: list[str], mode: str = "up") -> 
     stop = asyncio.Event()
     rc = 1
     try:
-        for task, share in cfg.controller.tasks.items():
-            if share > 0:
-                for i in range(args.env_replicas):
-                    sup.spawn(f"env-{task}-{i}", ["services.envs", task])
+        for source in sources.values():
+            for i in range(args.env_replicas):
+                spawn_env(sup, cfg, source, i, command_dir)
         for i in range(args.rollouts):
             sup.spawn(f"rollout-{i}", ["services.rollout"])
         for i in range(args.stale_engines):  # generation-only pool members on old weights (AgentRL)
@@ -467,6 +523,7 @@ def cmd_serve(args: argparse.Namespace, overrides: list[str]) -> int:
     nats-server, where anything may publish weights."""
     cfg = load_config(args.config, ["serve.enabled=true", "rollout.serve_jobs=false", "rollout.serve_pool=false"]
                       + overrides)
+    preflight(cfg, serving=True)
     run_dir = Path(cfg.run.dir).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg.run.dir = str(run_dir)
@@ -508,8 +565,13 @@ def cmd_serve(args: argparse.Namespace, overrides: list[str]) -> int:
 def _run_target(run_dir: str | None, url: str | None, prefix: str | None) -> tuple[str, str]:
     if url:
         return url, prefix or "jetrl"
-    lines = (Path(run_dir or "runs/latest") / "nats.url").read_text().split()
-    return lines[0], prefix or lines[1]
+    run_dir = run_dir or "runs/latest"
+    url_file = Path(run_dir) / "nats.url"
+    if not url_file.is_file():
+        raise CliError(f"no run in {run_dir} (no nats.url there): start one with `jetrl up`, or give --run-dir "
+                       "or --url")
+    lines = url_file.read_text().split()
+    return lines[0], prefix or (lines[1] if len(lines) > 1 else _run_config(run_dir).nats.prefix)
 
 
 def cmd_watch(args: argparse.Namespace) -> int:
@@ -569,24 +631,35 @@ def cmd_watch(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    url = (Path(args.run_dir) / "controller.url").read_text().strip()
+    url_file = Path(args.run_dir) / "controller.url"
+    if not url_file.is_file():
+        raise CliError(f"no run in {args.run_dir} (no controller.url there): start one with `jetrl up`, or name "
+                       f"its directory with --run-dir")
+    url = url_file.read_text().strip()
     token = controller_token(_run_config(args.run_dir).controller)
     headers = {"Authorization": f"Bearer {token}"} if token else {}
-    with urllib.request.urlopen(urllib.request.Request(f"{url}/status", headers=headers), timeout=5) as resp:
-        status = json.load(resp)
+    try:
+        with urllib.request.urlopen(urllib.request.Request(f"{url}/status", headers=headers), timeout=5) as resp:
+            status = json.load(resp)
+    except urllib.error.HTTPError as exc:
+        raise CliError(f"the controller of {args.run_dir} at {url} answered HTTP {exc.code} {exc.reason}") from None
+    except OSError as exc:
+        raise CliError(f"the controller of {args.run_dir} at {url} does not answer ({exc}): the run has ended "
+                       f"or not started yet") from None
     print(json.dumps(status, indent=2))
-    print(f"dashboard: {url}/dashboard", file=sys.stderr)  # stderr: stdout stays one JSON document
+    print(f"dashboard: {dashboard_link(url, token)}", file=sys.stderr)  # stderr: stdout stays one JSON document
     return 0
 
 
 def cmd_topology(args: argparse.Namespace, overrides: list[str]) -> int:
-    """Declare every stream and bucket as the admin user: on an authenticated server only the admin may
-    (shared/auth.py); the services wait for them. Compose runs this once as its `topology` service."""
+    """Declare every stream, bucket and durable consumer as the admin user: on an authenticated server only
+    the admin may (shared/auth.py); the services wait for them. Compose runs this once as its `topology`
+    service, with the run's config (the durables' lanes and ack waits come from it)."""
     cfg = load_config(args.config, overrides)
     if not cfg.nats.url:
-        raise SystemExit("jetrl topology: set nats.url (JETRL__NATS__URL) to the server to declare on")
+        raise CliError("jetrl topology: set nats.url (JETRL__NATS__URL) to the server to declare on")
     asyncio.run(_declare_topology(cfg))
-    print(f"jetrl topology: streams and buckets of prefix {cfg.nats.prefix} declared on {cfg.nats.url}")
+    print(f"jetrl topology: streams, buckets and durables of prefix {cfg.nats.prefix} declared on {cfg.nats.url}")
     return 0
 
 
@@ -613,7 +686,11 @@ def cmd_secrets(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    """The ``jetrl`` command: a user's mistake is one ``jetrl: error:`` line (``--debug``: the traceback)."""
+    return run_cli(_main, sys.argv[1:] if argv is None else argv)
+
+
+def _main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="jetrl", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     for name, text in (("up", "start NATS and every service; train; stop everything"),
@@ -638,7 +715,8 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("--engine", default=None, help="rollout.engine: continuous | hf | vllm | openai")
             p.add_argument("--base-url", default=None, help="openai engine: the server, e.g. http://host:8001/v1")
             p.add_argument("--model", default=None, help="openai engine: the model name the server knows")
-            p.add_argument("--suite", default=None, help="a task suite instead of controller.tasks (bfcl)")
+            p.add_argument("--suite", default=None, help="one task alone instead of controller.tasks (an "
+                                                          "eval-only benchmark task)")
     serve = sub.add_parser("serve", help="the policy over the OpenAI chat-completions API, following weight "
                                          "broadcasts (--config of a running training run)")
     serve.add_argument("--config", default=None)
@@ -655,17 +733,34 @@ def main(argv: list[str] | None = None) -> int:
     quick.add_argument("--env-replicas", type=int, default=1, help="replicas per task env")
     quick.add_argument("--stale-engines", type=int, default=0, help="extra stale pool engines")
     quick.add_argument("--fresh", action="store_true", help="rebuild the warm start even if one is cached")
+    creds = sub.add_parser("creds", help="read-only NATS credentials of a run for outside tools: a context file "
+                                         "and a URL")
+    creds.add_argument("role", choices=["observer"], help="observer: reads streams, publishes nothing")
+    creds.add_argument("--run-dir", default="runs/latest")
     status = sub.add_parser("status", help="the controller's /status of a run")
     status.add_argument("--run-dir", default="runs/latest")
     config = sub.add_parser("config", help="every config key with its default and help")
-    config.add_argument("--task", choices=TASKS, default=None,
-                        help="only what this task's env service reads: [env] and [env.<task>]")
+    config.add_argument("--task", default=None, help="only what this task's env service reads: [env] and "
+                                                     "[env.<task>] (any registered task)")
+    config.add_argument("--config", default=None, help="a config whose [env.<task>] factory names the task")
+    env_check = sub.add_parser("env-check", help="check a task's env against the env contract (oracle per split, bad "
+                                                 "calls, cancel, health) over a real nats-server; exit 1 on a failure")
+    env_check.add_argument("task")
+    env_check.add_argument("--config", default=None)
+    env_check.add_argument("--episodes", type=int, default=2, help="oracle episodes per split")
+    env_check.add_argument("--wait", type=float, default=600.0,
+                           help="seconds to wait for the env to answer (a first start may build its task data)")
     topology = sub.add_parser("topology", help="declare every stream and bucket as the NATS admin user "
                                                 "(authenticated servers: the services wait for it)")
     topology.add_argument("--config", default=None)
     secrets_cmd = sub.add_parser("secrets", help="random NATS passwords per role and a status API token, as an "
                                                  "env file for compose")
     secrets_cmd.add_argument("--env", default="compose/.env", help="env file to write (kept if it exists)")
+    schema = sub.add_parser("schema", help="the message schemas (JSON Schema) and the env protocol's field "
+                                           "tables, from shared/messages.py; --check: fail if out of date")
+    add_schema_arguments(schema)
+    add_export_arguments(sub.add_parser("export", help="a run's trajectories as a dataset file (Parquet or JSONL, "
+                                                      "the Hugging Face chat format), filtered"))
     args, rest = parser.parse_known_args(argv)
     setup_logging("cli", level="warning")  # the CLI prints its own lines; services log to their files
     if args.command in MODE_DEFAULTS:
@@ -678,6 +773,12 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_quickstart(args, rest)
     if args.command == "topology":
         return cmd_topology(args, rest)
+    if args.command == "env-check":
+        from jetrl.envcheck import cmd_env_check
+
+        return cmd_env_check(args.task, args.config, rest, args.episodes, args.wait)
+    if args.command == "export":
+        return cmd_export(args, rest)
     if rest:
         parser.error(f"unrecognised arguments: {rest}")
     if args.command == "secrets":
@@ -686,7 +787,11 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_watch(args)
     if args.command == "status":
         return cmd_status(args)
-    print(describe(args.task))
+    if args.command == "creds":
+        return cmd_creds(args)
+    if args.command == "schema":
+        return run_schema(args)
+    print(describe(args.task, load_config(args.config).env))
     return 0
 
 

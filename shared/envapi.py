@@ -9,6 +9,7 @@ import asyncio
 import itertools
 import time
 import weakref
+import zlib
 from typing import Any
 
 from nats.aio.client import Client
@@ -109,6 +110,12 @@ def _expire(future: asyncio.Future[Msg]) -> None:
 
 
 _REPLIES: weakref.WeakKeyDictionary[Client, _Replies] = weakref.WeakKeyDictionary()
+
+
+def episode_seed(episode_id: str) -> int:
+    """The seed an episode's env session is opened with: a function of its id alone, so a replay of a
+    stored episode (``jetrl reverify``, a new replica) opens the very same session."""
+    return zlib.crc32(episode_id.encode())
 
 
 class EnvClient:

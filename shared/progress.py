@@ -1,10 +1,10 @@
 """Progress with an ETA for long commands: a bar on a terminal, periodic log lines otherwise.
 
-    with Progress("eval db", total=40, unit="episodes") as bar:
+    with Progress("eval", total=40, unit="episodes") as bar:
         for ...:
             bar.update()          # or bar.set(done)
 
-    results = list(track(pool.map(run, ids), "os tasks", total=len(ids), unit="tasks"))
+    results = list(track(pool.map(run, ids), "tasks", total=len(ids), unit="tasks"))
 
 On a TTY one line is redrawn in place (at most 10 times a second); anywhere else (a log file, CI,
 a pipe) a plain line is written every ``every_s`` seconds and at the end, so a 14-minute command
@@ -17,12 +17,23 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sized
+from collections.abc import Callable, Iterable, Iterator, Sized
 from contextlib import contextmanager
 from types import TracebackType
 from typing import TextIO, TypeVar
 
 T = TypeVar("T")
+
+# (label, done, total) of every Progress as it moves: an env replica puts its data build on its heartbeat
+# ("building, questions 43 %"), so the controller waits for it instead of giving up (services/envs)
+ProgressListener = Callable[[str, int, "int | None"], None]
+_listeners: list[ProgressListener] = []
+
+
+def listen(listener: ProgressListener) -> Callable[[], None]:
+    """Call ``listener`` on every progress update in this process (any thread); returns the un-listen."""
+    _listeners.append(listener)
+    return lambda: _listeners.remove(listener) if listener in _listeners else None
 
 
 def format_duration(seconds: float) -> str:
@@ -47,6 +58,7 @@ class Progress:
         self._closed = False
         self._drawn: tuple[int, str] | None = None  # (count, note) of the last line written
         self._note = ""
+        self._tell()
 
     # ------------------------------------------------------------------ counting
     def update(self, n: int = 1, note: str = "") -> None:
@@ -55,6 +67,7 @@ class Progress:
     def set(self, done: int, note: str = "") -> None:
         self.done = done
         self._note = note or self._note
+        self._tell()
         now = time.monotonic()
         finished = self.total is not None and done >= self.total
         if finished or now - self._last_draw >= (0.1 if self.tty else self.every_s):
@@ -74,6 +87,10 @@ class Progress:
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         self.close("failed" if kind is not None else "")
+
+    def _tell(self) -> None:
+        for listener in list(_listeners):
+            listener(self.label, self.done, self.total)
 
     # ------------------------------------------------------------------ text
     @property

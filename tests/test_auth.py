@@ -26,6 +26,7 @@ from services.controller.controller import Controller
 from shared.auth import ROLES, generate_passwords, inbox_prefix, role_permissions, server_authorization
 from shared.bus import connect, declare_topology, read_object
 from shared.config import JetRLConfig, NatsConfig, save_config
+from shared.consumers import declare_durables
 from shared.messages import MetricsReport, TrainingFinished, Trajectory, TurnInfo, WeightsAnnouncement, decode, encode
 from shared.natsd import EmbeddedNats
 from shared.subjects import Subjects
@@ -84,6 +85,9 @@ async def admin(auth_server: tuple[str, Path, Path]) -> AsyncIterator[Client]:
     cfg = role_cfg(auth_server)
     nc = await connect(cfg, "pytest-admin", role="admin")
     await declare_topology(nc.jetstream(), Subjects(PREFIX), cfg, role="admin")
+    run = JetRLConfig()
+    run.nats = cfg
+    await declare_durables(nc.jetstream(), Subjects(PREFIX), run)  # no service role may create them
     yield nc
     js = nc.jetstream()
     for stream in await js.streams_info():  # every test starts from empty streams and buckets
@@ -270,8 +274,8 @@ async def test_a_rollout_cannot_publish_weights_jobs_or_write_the_weights(
 async def test_an_observer_reads_the_trajectory_stream_but_cannot_publish_or_steal(
         auth_server: tuple[str, Path, Path], admin: Client) -> None:
     s, js = Subjects(PREFIX), admin.jetstream()
-    trainer = await as_role(auth_server, "trainer")  # its durable consumer exists, as in a run
-    await trainer.jetstream().pull_subscribe(s.traj(">"), durable=s.trainer_consumer, stream=s.traj_stream)
+    trainer = await as_role(auth_server, "trainer")  # its durable consumer exists (the admin's), as in a run
+    await trainer.jetstream().pull_subscribe_bind(durable=s.trainer_consumer, stream=s.traj_stream)
     errors = Errors()
     observer = await as_role(auth_server, "observer", errors)
     live = await observer.subscribe(s.traj(">"))
@@ -280,8 +284,8 @@ async def test_an_observer_reads_the_trajectory_stream_but_cannot_publish_or_ste
 
     assert decode((await live.next_msg(timeout=2)).data, Trajectory).episode_id == "e7"  # live
     ojs = observer.jetstream(timeout=1.0)
-    stored = await ojs.subscribe(s.traj(">"), ordered_consumer=True)  # the stream from its start
-    assert decode((await stored.next_msg(timeout=2)).data, Trajectory).episode_id == "e7"
+    stored = await ojs.pull_subscribe(s.traj(">"), stream=s.traj_stream)  # an ephemeral reader it names
+    assert decode((await stored.fetch(1, timeout=2))[0].data, Trajectory).episode_id == "e7"
     await stored.unsubscribe()
 
     with pytest.raises(nats.errors.TimeoutError):
@@ -357,11 +361,13 @@ def test_status_api_binds_to_localhost_and_enforces_its_bearer_token(config: Jet
         assert get({}) == 401
         assert get({"Authorization": "Bearer wrong"}) == 401
         assert get({"Authorization": "Bearer s3cret-token"}) == 200
-        # the dashboard's page and script are public (no data); its data wants the token, which a browser
-        # passes as ?token= (EventSource cannot send headers)
-        assert get({}, "/dashboard") == 200 and get({}, "/static/dashboard.js") == 200
-        assert get({}, "/api/dashboard") == 401 and get({}, "/api/episodes?token=wrong") == 401
-        assert get({}, "/api/dashboard?token=s3cret-token") == 200
+        # every endpoint wants the token, /metrics too (401, not a 500); a browser passes it as ?token=
+        # (EventSource cannot send headers); only the page's script and style are open (no data)
+        for path in ("/metrics", "/dashboard", "/", "/api/dashboard", "/api/episodes", "/api/episodes/x"):
+            assert get({}, path) == 401, path
+        assert get({"Authorization": "Bearer s3cret-token"}, "/metrics") == 200
+        assert get({}, "/static/dashboard.js") == 200 and get({}, "/dashboard?token=s3cret-token") == 200
+        assert get({}, "/api/episodes?token=wrong") == 401 and get({}, "/api/dashboard?token=s3cret-token") == 200
         cli = subprocess.run([sys.executable, "-m", "jetrl.cli", "status", "--run-dir", str(run_dir)], cwd=REPO,
                              capture_output=True, text=True, timeout=60,
                              env=dict(os.environ, JETRL__CONTROLLER__HTTP_TOKEN_FILE=str(token_file)))

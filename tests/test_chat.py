@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from services.rollout.chat import parse_assistant, render_observation, render_opening, render_tool_call
+from shared.chat import parse_assistant, render_observation, render_opening, render_tool_call
 
 TOOLS = [{"type": "function", "function": {"name": "execute_sql", "description": "run SQL",
                                             "parameters": {"type": "object", "properties": {"sql": {"type": "string"}},

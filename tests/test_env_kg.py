@@ -400,7 +400,7 @@ def test_one_shot_example_is_a_solved_conversation_of_our_graph(env: KGEnv) -> N
     """env.kg.one_shot puts services/envs/kg/one_shot.json between the system prompt and the question; the
     example's calls, replayed on our graph, give the observations it shows and end in a right answer."""
     from services.envs.kg import ONE_SHOT_PATH, one_shot_example
-    from services.rollout.chat import render_opening
+    from shared.chat import render_opening
 
     example = one_shot_example()
     cfg = EnvConfig(task="kg", num_train_tasks=12, num_test_tasks=6)

@@ -14,8 +14,9 @@ import pytest
 
 from services.envs.base import ToolCall
 from services.envs.os_task import OSEnv, OSEpisode
+from services.envs.os_task.config import OSTaskConfig
 from services.envs.os_task.sandbox import DEBIAN_BASE, build_docker_images, docker_disk_cap
-from shared.config import EnvConfig, OSTaskConfig
+from shared.config import EnvConfig
 from tests.sandbox_checks import assert_limits_hold
 
 PREFIX = "jetrl-os"
@@ -53,8 +54,8 @@ def env(client) -> OSEnv:  # noqa: ANN001
                 pytest.skip(f"no {PREFIX}/default image and no base to build it FROM (make setup-os-docker)")
         build_docker_images(PREFIX, variants=("default",))
     env = OSEnv(EnvConfig(task="os", num_train_tasks=6, num_test_tasks=6,
-                          os=OSTaskConfig(backend="docker", docker_prefix=PREFIX, command_timeout_s=3.0,
-                                          disk_mb=64, memory_mb=256)))
+                          sections={"os": OSTaskConfig(backend="docker", docker_prefix=PREFIX, command_timeout_s=3.0,
+                                          disk_mb=64, memory_mb=256)}))
     yield env
     env.close()
 

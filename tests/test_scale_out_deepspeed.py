@@ -317,12 +317,13 @@ def test_jetrl_up_trainer_ranks_command() -> None:
     import importlib.util
 
     from jetrl.cli import trainer_command
+    from jetrl.errors import CliError
 
     assert trainer_command(1, 2) == (["services.trainer"], [])
-    with pytest.raises(SystemExit, match="must be >= 1"):
+    with pytest.raises(CliError, match="must be >= 1"):
         trainer_command(0, 2)
     if importlib.util.find_spec("deepspeed") is None:
-        with pytest.raises(SystemExit, match="make venv-deepspeed"):
+        with pytest.raises(CliError, match="make venv-deepspeed"):
             trainer_command(2, 2)
         return
     module_args, overrides = trainer_command(4, 2)

@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.rollout.chat import parse_assistant, render_chat, render_observation, render_opening, render_tool_call
 from services.rollout.openai_api import choice_message
 from services.rollout.openai_client import history_after_turn
 from shared.bus import connect
+from shared.chat import parse_assistant, render_chat, render_observation, render_opening, render_tool_call
 from shared.digest import digest
 from shared.messages import WeightsAnnouncement, encode
 from shared.model import (

@@ -13,7 +13,7 @@ import uvicorn
 
 from services.controller.api import create_app
 from services.controller.controller import Controller
-from shared.auth import controller_token
+from shared.auth import controller_token, manages_topology
 from shared.bus import connect, declare_topology, heartbeat_loop, replica_name
 from shared.config import from_argv
 from shared.lifecycle import close_connection, exit_code, install_stop, stop_if_connection_closed
@@ -23,6 +23,9 @@ from shared.subjects import Subjects
 
 async def main(argv: list[str]) -> None:
     cfg, _ = from_argv(argv)
+    if not any(share > 0 for share in cfg.controller.tasks.values()):
+        raise SystemExit("controller: no task to run: set controller.tasks (task -> share), e.g. "
+                         "--controller.tasks='{\"TASK\": 1}'")
     replica_id = replica_name("controller")
     log = setup_logging("controller", replica_id, cfg.run.log_level, cfg.run.log_format)
     subjects = Subjects(cfg.nats.prefix)
@@ -44,6 +47,7 @@ async def main(argv: list[str]) -> None:
         js = nc.jetstream()
         await declare_topology(js, subjects, cfg.nats, cfg.controller.heartbeat_ttl_s, role="controller")
         controller = Controller(nc, js, subjects, cfg, replica_id)
+        controller.creates_durables = manages_topology(cfg.nats, "controller")
         await controller.follow_metrics_and_weights()
         server = uvicorn.Server(uvicorn.Config(create_app(controller, controller_token(cfg.controller)), log_level="warning", lifespan="off"))
         for job in (server.serve(sockets=[sock]), controller.track_trajectories(), controller.watch_replicas(),
@@ -54,7 +58,12 @@ async def main(argv: list[str]) -> None:
         stack.callback(lambda: setattr(server, "should_exit", True))
         log.info("controller_ready", url=url, tasks=cfg.controller.tasks, group_size=cfg.controller.group_size)
         if cfg.controller.mode == "eval":  # evaluate, write the report, exit (jetrl eval waits for us)
-            report = await controller.run_eval(stop)
+            try:
+                report = await controller.run_eval(stop)
+            except RuntimeError as exc:  # no env answered: say so and wait to be stopped, not crash-loop
+                controller.fail(exc)
+                await stop.wait()
+                return
             (run_dir / "eval.json").write_text(json.dumps(report, indent=2) + "\n")
             log.info("eval_done", report=report)
             return
@@ -62,8 +71,7 @@ async def main(argv: list[str]) -> None:
 
         def publisher_done(task: asyncio.Task[None]) -> None:
             if not task.cancelled() and task.exception() is not None:
-                controller.state = f"failed: {task.exception()}"
-                log.error("plan_failed", error=repr(task.exception()))
+                controller.fail(task.exception())
 
         publisher.add_done_callback(publisher_done)
         await stop.wait()

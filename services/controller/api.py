@@ -8,31 +8,38 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from litestar import Litestar, MediaType, Request, Response, get
-from prometheus_client import CollectorRegistry, Gauge, generate_latest
+from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from services.controller.controller import Controller
 from services.controller.dashboard import dashboard_routes
+from services.controller.metrics import run_registry
 
-PUBLIC_PATHS = ("/", "/dashboard")
+PAGES = ("/", "/dashboard")
 
 
 def bearer_guard(token: str) -> Callable[[Request[Any, Any, Any]], Awaitable[Response[Any] | None]]:
     """Refuse (401) a request without ``Authorization: Bearer <token>`` (or ``?token=<token>``, for the
-    dashboard in a browser); compared in constant time."""
+    dashboard in a browser: the page passes it on to its API calls); compared in constant time. Only
+    ``/static`` (the page's script and style, in the repository for anyone to read) is open."""
     expected = f"Bearer {token}".encode()
 
     async def check(request: Request[Any, Any, Any]) -> Response[Any] | None:
-        if request.url.path in PUBLIC_PATHS or request.url.path.startswith("/static/"):
-            return None  # the page and its script hold no data; every figure comes from a guarded /api call
+        if request.url.path.startswith("/static/"):
+            return None
         given = request.headers.get("authorization", "").encode("utf-8", "replace")
         if hmac.compare_digest(given, expected):
             return None
-        # a browser opening /dashboard?token=... (EventSource cannot send headers); the page passes it on
+        # a browser opening /dashboard?token=... (EventSource cannot send headers)
         query = f"Bearer {request.query_params.get('token', '')}".encode("utf-8", "replace")
         if hmac.compare_digest(query, expected):
             return None
-        return Response({"error": "missing or wrong bearer token"}, status_code=401,
+        if request.url.path in PAGES:  # a person at a browser: say where the token is
+            return Response("This run's dashboard needs its token: open the link `jetrl up` printed "
+                            "(/dashboard?token=...); the token is in <run>/controller.token.\n", status_code=401,
+                            media_type=MediaType.TEXT, headers={"WWW-Authenticate": "Bearer"})
+        # JSON whatever the route's own media type (/metrics is text: a dict there would be a 500)
+        return Response({"error": "missing or wrong bearer token"}, status_code=401, media_type=MediaType.JSON,
                         headers={"WWW-Authenticate": "Bearer"})
 
     return check
@@ -40,37 +47,16 @@ def bearer_guard(token: str) -> Callable[[Request[Any, Any, Any]], Awaitable[Res
 
 def create_app(controller: Controller, token: str = "") -> Litestar:
     """``token``: every request must carry it as a bearer token (``controller.http_token``); empty = open."""
-    registry = CollectorRegistry()  # per app, so several controllers (tests) never collide
-    episodes = Gauge("jetrl_episodes", "episodes by state", ["state"], registry=registry)
-    task_episodes = Gauge("jetrl_task_episodes", "episodes by task and state", ["task", "state"], registry=registry)
-    task_success = Gauge("jetrl_task_success_rate", "success rate of finished episodes", ["task"], registry=registry)
-    policy = Gauge("jetrl_policy_version", "latest published policy version", registry=registry)
-    duplicates = Gauge("jetrl_duplicate_trajectories", "trajectories seen twice (deduplicated)", registry=registry)
-    trainer = Gauge("jetrl_trainer", "latest trainer metrics", ["name"], registry=registry)
-    restarts = Gauge("jetrl_service_restarts", "restarts of a service by `jetrl up` (service=total: all)",
-                     ["service"], registry=registry)
+    registry = run_registry(controller)
 
     @get("/status")
     async def status() -> dict[str, Any]:
         return controller.status()
 
-    @get("/metrics", media_type=MediaType.TEXT)
+    @get("/metrics")
     async def metrics() -> Response[bytes]:
-        s = controller.status()
-        episodes.labels("published").set(s["episodes_published"])
-        episodes.labels("finished").set(s["episodes_finished"])
-        episodes.labels("inflight").set(s["episodes_inflight"])
-        for task, t in s["tasks"].items():
-            task_episodes.labels(task, "published").set(t["published"])
-            task_episodes.labels(task, "finished").set(t["finished"])
-            task_success.labels(task).set(t["success_rate"])
-        policy.set(s["policy_version"])
-        duplicates.set(s["duplicate_trajectories"])
-        for name, value in s["trainer"].items():
-            trainer.labels(name).set(value)
-        for service, count in s["service_restarts"].items():
-            restarts.labels(service).set(count)
-        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+        # the content type as Prometheus's own exposition gives it, once (litestar would add a second charset)
+        return Response(generate_latest(registry), headers={"content-type": CONTENT_TYPE_LATEST})
 
     return Litestar([status, metrics, *dashboard_routes(controller)],
                     before_request=bearer_guard(token) if token else None)

@@ -11,7 +11,7 @@
   naming the newest policy version (a rollout loads it before the first turn); the next batch waits for
   the trainer's step on this one. Staleness 0, and no overlap of generation and training.
 * Lanes (``controller.task_max_inflight``): a task with its bound of episodes in flight is skipped, so a
-  slow or stuck task (os, alfworld) cannot hold every in-flight slot while a fast one waits; with
+  slow or stuck task (a sandbox per episode, a game engine) cannot hold every in-flight slot while a fast one waits; with
   ``lane_lead`` the others run at most that many groups ahead of their share, which keeps the mix.
 * Lifecycle: an episode is *published*, then *finished* when its trajectory lands in TRAJ (each
   episode id counted once, whatever the redeliveries).
@@ -33,18 +33,18 @@ import structlog
 from nats.aio.client import Client
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js import JetStreamContext
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
 
 from services.controller.board import RunBoard
 from services.controller.report import eval_report
+from services.controller.sources import Replicas, checked_report
 from shared.bus import TRANSIENT, decode_or_dead_letter, publish_retrying
 from shared.config import JetRLConfig
+from shared.consumers import bind_durable, controller_consumer
 from shared.envapi import EnvClient, EnvError
 from shared.messages import (
     BadMessage,
     EpisodeJob,
-    Heartbeat,
     MetricsReport,
     RunControl,
     TrainingFinished,
@@ -53,6 +53,7 @@ from shared.messages import (
     decode,
     encode,
 )
+from shared.readiness import describe_build, is_building
 from shared.subjects import Subjects
 
 log = structlog.get_logger()
@@ -65,6 +66,9 @@ class TaskBook:
     successes: int = 0
     reward_sum: float = 0.0
     recent: deque[float] = field(default_factory=lambda: deque(maxlen=64))
+    turns: int = 0  # env interactions of finished episodes (each turn is one interact call)
+    generated_tokens: int = 0  # tokens the policy sampled in them (the loss mask)
+    statuses: Counter[str] = field(default_factory=Counter)  # finished episodes by status
 
 
 @dataclass
@@ -126,17 +130,21 @@ class Controller:
         self.groups_published = 0
         self._capacity = asyncio.Event()
         self.replicas: list[dict[str, Any]] = []
+        self.registry = Replicas(subjects, cfg.controller.heartbeat_ttl_s)
+        self.refused_reports = 0  # metrics whose body names another role than their subject
+        self.creates_durables = True  # an open server; with per-role users the admin makes them (shared/consumers.py)
         self._backlog = 0  # the last reading of the trainer's backlog (see backlog_full)
         self._backlog_read_at = -1.0
         self._finished_at_read = 0
         self.eval_planned: dict[str, int] = {}  # eval mode: episodes per task the run will publish
         self.board = RunBoard(subjects)  # what the dashboard and the trajectory viewer show
+        self._failure_announcer: asyncio.Task[None] | None = None
 
     # ------------------------------------------------------------------ plan and publish
     async def fetch_task_ids(self, timeout_s: float = 120.0, split: str = "train",
                              train_limit: bool = True) -> dict[str, list[str]]:
-        """Ask each task's env service for its task ids of a split (waits for env replicas to come up: alfworld's
-        takes longer than a request's timeout); for training, the first ``controller.train_limit`` of them."""
+        """Ask each task's env service for its task ids of a split (waits for env replicas to come up: a task whose
+        engines load slowly takes longer than a request's timeout); for training, the first ``controller.train_limit`` of them."""
         out: dict[str, list[str]] = {}
         deadline = time.monotonic() + timeout_s
         for task, share in self.cfg.controller.tasks.items():
@@ -148,14 +156,43 @@ class Controller:
                     out[task] = await client.task_ids(split)
                     break
                 except EnvError as exc:
-                    if time.monotonic() > deadline:
-                        raise RuntimeError(f"env service for task {task!r} did not answer: {exc}") from None
+                    building = self.env_building(task)
+                    if building:  # a replica is building its task data: wait for it, however long it takes
+                        self.state = f"waiting for env {task}: {building}"
+                        deadline = max(deadline, time.monotonic() + timeout_s)
+                    elif time.monotonic() > deadline:
+                        raise RuntimeError(f"env service for task {task!r} did not answer within {timeout_s:g}s "
+                                           f"(controller.env_wait_s) and no replica of it is building: {exc}") from None
                     await asyncio.sleep(0.5)
             if not out[task]:
                 raise RuntimeError(f"env service for task {task!r} has no {split} tasks")
             if train_limit:
                 out[task] = out[task][: self.cfg.controller.train_limit or None]
         return out
+
+    def fail(self, error: BaseException) -> None:
+        """The plan cannot go on: /status says why, and ``run.control`` says so every 5 s until the controller
+        stops (``jetrl up`` ends the run on it with the reason; a reader that joins late still hears it)."""
+        self.state = f"failed: {error}"
+        log.error("plan_failed", error=repr(error))
+        self._failure_announcer = asyncio.create_task(self._announce_failure(str(error)))
+
+    async def _announce_failure(self, reason: str, every_s: float = 5.0) -> None:
+        while not self.nc.is_closed:
+            try:
+                await self.nc.publish(self.subjects.run_control, encode(RunControl(event="failed",
+                                                                                   info={"reason": reason})))
+            except Exception as exc:  # NATS restarting: said again at the next tick
+                log.warning("failure_announce_failed", error=repr(exc))
+            await asyncio.sleep(every_s)
+
+    def env_building(self, task: str) -> str:
+        """``building, questions 43 %`` while a live replica of ``task``'s env builds its data, else ''."""
+        ttl = self.cfg.controller.heartbeat_ttl_s
+        for r in self.replicas:
+            if r["role"] == f"env-{task}" and r["age_s"] < ttl and is_building(r["info"]):
+                return describe_build(r["info"])
+        return ""
 
     async def publish_jobs(self, stop: asyncio.Event) -> None:
         task_ids = await self.fetch_task_ids(self.cfg.controller.env_wait_s)
@@ -350,11 +387,8 @@ class Controller:
 
     # ------------------------------------------------------------------ lifecycle and metrics
     async def track_trajectories(self) -> None:
-        config = ConsumerConfig(durable_name=self.subjects.controller_consumer, ack_policy=AckPolicy.EXPLICIT,
-                                deliver_policy=DeliverPolicy.ALL, filter_subject=self.subjects.traj(">"),
-                                max_ack_pending=-1)
-        sub = await self.js.pull_subscribe(self.subjects.traj(">"), durable=self.subjects.controller_consumer,
-                                           stream=self.subjects.traj_stream, config=config)
+        sub = await bind_durable(self.js, self.subjects.traj_stream, controller_consumer(self.subjects),
+                                 may_create=self.creates_durables)
         while True:
             try:
                 msgs = await sub.fetch(128, timeout=1.0)
@@ -384,6 +418,9 @@ class Controller:
         book.successes += int(traj.success)
         book.reward_sum += traj.reward
         book.recent.append(1.0 if traj.success else 0.0)
+        book.turns += len(traj.turns)
+        book.generated_tokens += sum(traj.loss_mask)
+        book.statuses[traj.status] += 1
         if traj.group_id.startswith("eval-"):
             name = traj.group_id.split("-")[1]  # eval-<pass>-<task>-...
             if name in self.eval_results:
@@ -392,10 +429,10 @@ class Controller:
 
     async def follow_metrics_and_weights(self) -> None:
         async def on_metrics(msg: Any) -> None:
-            try:
-                report = decode(msg.data, MetricsReport)
-            except BadMessage as exc:
-                log.warning("bad_metrics", reason=exc.reason)
+            report, why = checked_report(self.subjects, msg)  # the role is the subject's, never the body's
+            if report is None:
+                self.refused_reports += 1
+                log.warning("metrics_refused", subject=msg.subject, reason=why)
                 return
             self.latest_metrics[f"{report.role}/{report.replica_id}"] = report
             self.board.on_metrics(report)
@@ -425,36 +462,27 @@ class Controller:
         await self.nc.subscribe(self.subjects.training_finished, cb=on_finished)
 
     async def watch_replicas(self, every_s: float = 2.0) -> None:
-        """Keep ``self.replicas`` fresh from the registry KV (the HTTP handlers never touch NATS)."""
-        while True:
-            try:
+        """Keep ``self.replicas`` fresh from the registry's writes (the HTTP handlers never touch NATS)."""
+        sub = await self.registry.follow(self.nc)
+        try:
+            while True:
                 self.replicas = await self.read_replicas()
-            except Exception as exc:
-                log.warning("registry_read_failed", error=repr(exc))
-            await asyncio.sleep(every_s)
+                await asyncio.sleep(every_s)
+        finally:
+            try:
+                await sub.unsubscribe()
+            except Exception as exc:  # the connection is closing
+                log.debug("registry_unsubscribe", error=repr(exc))
 
     async def read_replicas(self) -> list[dict[str, Any]]:
-        kv = await self.js.key_value(self.subjects.registry_kv)
-        out: list[dict[str, Any]] = []
-        try:
-            keys = await kv.keys()
-        except Exception:  # nats-py raises NoKeysError on an empty bucket
-            return out
-        for key in keys:
-            try:
-                entry = await kv.get(key)
-                beat = decode(entry.value or b"", Heartbeat)
-            except Exception:
-                continue
-            out.append({"role": beat.role, "replica_id": beat.replica_id, "host": beat.host, "pid": beat.pid,
-                        "age_s": round(time.time() - beat.ts, 2), "info": beat.info})
-        return sorted(out, key=lambda r: (r["role"], r["replica_id"]))
+        return self.registry.rows()
 
     def status(self) -> dict[str, Any]:
         tasks = {}
         for task, book in sorted(self.books.items()):
             tasks[task] = {
-                "published": book.published, "finished": book.finished,
+                "published": book.published, "finished": book.finished, "succeeded": book.successes,
+                "turns": book.turns, "generated_tokens": book.generated_tokens, "statuses": dict(book.statuses),
                 "success_rate": book.successes / book.finished if book.finished else 0.0,
                 "recent_success_rate": sum(book.recent) / len(book.recent) if book.recent else 0.0,
                 "mean_reward": book.reward_sum / book.finished if book.finished else 0.0,
@@ -468,6 +496,8 @@ class Controller:
             "episodes_published": sum(b.published for b in self.books.values()),
             "episodes_finished": len(self.finished), "episodes_inflight": len(self.inflight),
             "duplicate_trajectories": self.duplicates, "episodes_lost": self.lost, "groups_published": self.groups_published,
+            # metrics or heartbeats whose body named another source than their subject (services/controller/sources.py)
+            "refused_reports": self.refused_reports + self.registry.refused,
             "uptime_s": round(time.time() - self.started_at, 1), "tasks": tasks,
             "trainer": next(iter(trainer.values()), {}), "replicas": self.replicas,
             "eval_planned": self.eval_planned,

@@ -17,6 +17,7 @@ import json
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 from litestar import Request, Router, get
 from litestar.exceptions import NotFoundException, ValidationException
@@ -34,8 +35,9 @@ def dashboard_routes(controller: Controller) -> list[Any]:
     board = controller.board
 
     @get("/", include_in_schema=False)
-    async def root() -> Redirect:
-        return Redirect(path="/dashboard")
+    async def root(request: Request[Any, Any, Any]) -> Redirect:
+        token = request.query_params.get("token")  # the link with the token keeps it
+        return Redirect(path="/dashboard" + (f"?token={quote(token)}" if token else ""))
 
     @get("/dashboard", include_in_schema=False)
     async def page() -> Response[bytes]:

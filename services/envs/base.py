@@ -1,7 +1,9 @@
 """What a task environment implements. The host (``host.py``) turns any of these into a NATS micro
 service speaking the unified function-call API; a task module only knows its own world.
 
-A task module (``services/envs/<task>.py`` or a package) exposes ``make_env(cfg: EnvConfig) -> TaskEnv``.
+A task module (a package under ``services/envs/`` or a plugin's) exposes ``make_env(cfg: EnvConfig) -> TaskEnv``,
+found by the task registry (shared/tasks.py: a ``jetrl.envs`` entry point or ``[env.<task>] factory``), and
+may declare its ``[env.<task>]`` settings as a dataclass ``Config`` beside it (read as ``cfg.section(task)``).
 
 * ``TaskEnv`` owns the task set (train/test splits, deterministic by seed) and opens episodes.
 * ``Episode`` is one session: its opening messages, its tools (OpenAI function schemas), and
@@ -27,7 +29,7 @@ class ToolResult:
     status: str = "running"
     metrics: dict[str, float] = field(default_factory=dict)
     role: str = "tool"
-    """``user`` for what is not a tool's answer: the next user turn of a multi-turn conversation (BFCL)."""
+    """``user`` for what is not a tool's answer: the next user turn of a multi-turn conversation."""
 
 
 @dataclass
@@ -45,7 +47,7 @@ class ToolError(Exception):
 class Episode(ABC):
     max_turns: int = 15
     takes_whole_message: bool = False
-    """True: the host hands each assistant message as it is to ``respond`` (every tool call of it: BFCL grades
+    """True: the host hands each assistant message as it is to ``respond`` (every tool call of it: a task that grades
     parallel calls) instead of checking and running its first call with ``call`` / ``reply``."""
 
     @property
@@ -62,7 +64,7 @@ class Episode(ABC):
         """Run one tool call. Raise ToolError for a bad call; the host turns it into an observation."""
 
     def reply(self, content: str) -> ToolResult:
-        """An assistant turn with no tool call. Most tasks refuse it; AgentBench's KG task takes its
+        """An assistant turn with no tool call. Most tasks refuse it; AgentBench's knowledge-graph task takes its
         final answer this way ("Final Answer: #3"). Raise ToolError for a bad turn, as ``call`` does."""
         raise ToolError("No tool call found. Reply with exactly one tool call, using one of the listed tools.")
 

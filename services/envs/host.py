@@ -74,7 +74,7 @@ class WorkerPool:
     with no trip through the event loop between two calls. A call still running ``spill_after_s`` after
     it started (a slow query, a command in a sandbox) no longer counts as a lane: another thread takes
     up the queue while it goes on, and its thread leaves once it ends (or takes a lane back if one is
-    free). Quick calls are the common case (a db episode's calls take 0.1-1.5 ms) and mostly hold the
+    free). Quick calls are the common case (a SQL episode's calls take 0.1-1.5 ms) and mostly hold the
     GIL: threads running them beside each other take turns on it at every SQLite step, and with 32 such
     threads a replica did half the work per CPU second that one thread did (docs/benchmarks/env_host.md).
 
@@ -419,7 +419,7 @@ class EnvHost:
 
     def _truncate(self, content: str) -> str:
         """Every observation, error text included (it may echo a huge argument), within the limit
-        (the task's own where its section overrides env.max_observation_chars: webshop, alfworld)."""
+        (the task's own where its section overrides env.max_observation_chars)."""
         limit = self.cfg.task_value(self.task, "max_observation_chars")
         if len(content) <= limit:
             return content
@@ -428,7 +428,7 @@ class EnvHost:
     async def _run_call(self, session: Session, message: dict[str, Any]) -> tuple[str, ToolResult]:
         call_id = "call_0"
         try:
-            if session.episode.takes_whole_message:  # the episode reads every call itself (BFCL)
+            if session.episode.takes_whole_message:  # the episode reads every call itself (parallel calls, graded together)
                 calls = message.get("tool_calls") or []
                 if isinstance(calls, list) and calls and isinstance(calls[0], dict):
                     call_id = str(calls[0].get("id") or call_id)
@@ -439,7 +439,7 @@ class EnvHost:
                 call_id, call = parse_tool_call(message)
                 check_arguments(session.episode.tools, call)
                 run = functools.partial(session.episode.call, call)
-            else:  # a text-only turn: most tasks refuse it, KG reads its "Final Answer: #3" from it
+            else:  # a text-only turn: most tasks refuse it, some read a final answer ("Final Answer: #3") from it
                 run = functools.partial(session.episode.reply, str(message.get("content") or ""))
             # a thread cannot be stopped: one past the timeout runs on, and the episode is freed once it
             # returns (see _close)
@@ -468,7 +468,7 @@ class EnvHost:
         session = self._session(req.session_id)
         call = await self.pool.run(functools.partial(self.env.oracle, session.episode))
         message: dict[str, Any] = {"role": "assistant", "content": call.content}
-        if call.name:  # an empty name is a text-only turn (KG's "Final Answer: #3")
+        if call.name:  # an empty name is a text-only turn (a final answer such as "Final Answer: #3")
             message["tool_calls"] = [{"id": f"call_{session.turns}", "type": "function",
                                       "function": {"name": call.name, "arguments": json.dumps(call.arguments)}}]
         return encode(EnvInteract(session_id=req.session_id, message=message))

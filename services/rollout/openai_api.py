@@ -28,8 +28,8 @@ from litestar import Litestar, Request, Response, get, post
 from litestar.exceptions import HTTPException
 from litestar.response import Stream
 
-from services.rollout.chat import parse_assistant, render_chat
 from services.rollout.engine import Engine
+from shared.chat import parse_assistant, render_chat
 from shared.config import ServeConfig
 
 log = structlog.get_logger()

@@ -32,6 +32,8 @@ from typing import Any
 import pyoxigraph as ox
 import structlog
 
+from shared.progress import Progress
+
 log = structlog.get_logger()
 
 GRAPH_VERSION = 3
@@ -351,17 +353,22 @@ def build_graph(data_dir: str = "", with_sources: list[str] | None = None) -> Pa
     final.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=final.parent))
+    bar = Progress("kg graph", total=4, unit="stages")  # facts, N-Triples, store, optimised: coarse but honest
     try:
         facts = Facts(load_ontology())
         countries = add_geography(facts) if "geography" in srcs else {}
         if "wordnet" in srcs:
             add_wordnet(facts, countries)
+        bar.update(note="facts")
         triples = facts.write_ntriples(tmp / "graph.nt")
         t_parse = time.perf_counter() - t0
+        bar.update(note="n-triples written")
         store = ox.Store(str(tmp / "store"))
         store.bulk_load(path=str(tmp / "graph.nt"), format=ox.RdfFormat.N_TRIPLES)
+        bar.update(note="store loaded")
         store.optimize()
         del store
+        bar.update(note="store optimised")
         (tmp / "graph.nt").unlink()
         meta = {"version": GRAPH_VERSION, "sources": srcs, "triples": triples, "entities": len(facts.ids),
                 "build_s": round(time.perf_counter() - t0, 2), "parse_s": round(t_parse, 2)}
@@ -373,6 +380,7 @@ def build_graph(data_dir: str = "", with_sources: list[str] | None = None) -> Pa
         log.info("kg_graph_built", path=str(final), **meta)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        bar.close("failed")
         raise
     return final
 

@@ -28,6 +28,7 @@ from typing import Any
 from services.envs.base import ToolError
 from services.envs.kg.engine import KB, Variable, iri, values
 from services.envs.kg.graph import NAME, NS, TYPE
+from shared.progress import Progress
 
 GENERATOR_VERSION = 5
 MAX_ANSWERS = 10
@@ -351,6 +352,7 @@ def generate(kb: KB, split: str, size: int, seed: int) -> list[dict[str, Any]]:
     sampler = Sampler(kb)
     tasks: list[dict[str, Any]] = []
     seen: set[str] = set()
+    bar = Progress(f"kg {split} questions", total=size, unit="questions")
     for n, level in enumerate(LEVELS):
         rng = random.Random(f"{seed}:{split}:{level}")
         count = size // len(LEVELS) + (n < size % len(LEVELS))
@@ -371,9 +373,12 @@ def generate(kb: KB, split: str, size: int, seed: int) -> list[dict[str, Any]]:
                 if task is not None:
                     seen.add(key)
                     tasks.append(task)
+                    bar.update()
                     break
             else:
+                bar.close("failed")
                 raise RuntimeError(f"no {shape} question of level {level} after {MAX_TRIES} tries")
+    bar.close()
     return tasks
 
 

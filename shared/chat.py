@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass
 from typing import Any
 
 TOOL_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
@@ -75,7 +76,7 @@ def render_opening(messages: list[dict[str, Any]], tools: list[dict[str, Any]], 
         if m["role"] == "system":
             content += preamble
             has_system = True
-        elif m["role"] == "assistant" and m.get("tool_calls"):  # an example conversation (KG's one-shot)
+        elif m["role"] == "assistant" and m.get("tool_calls"):  # an example conversation (a task's one-shot example)
             content = render_tool_call(m)
         elif m["role"] == "tool":  # rendered as an observation is after a call
             out.append(_block("user", f"<tool_response>\n{content}\n</tool_response>"))
@@ -102,7 +103,7 @@ def parse_assistant(text: str, turn: int) -> dict[str, Any]:
     """OpenAI-format assistant message from generated text. A ``<tool_call>`` whose JSON is broken is
     passed on as ``invalid_tool_call`` so the env answers with a clear error observation; several
     ``<tool_call>``s are all passed on (ids ``call_<turn>``, then ``call_<turn>_<k>``): an episode that takes
-    the whole message runs them all (BFCL's parallel calls), any other refuses them with an error that says so."""
+    the whole message runs them all (parallel calls, graded together), any other refuses them with an error that says so."""
     matches = TOOL_CALL.findall(text)
     content = TOOL_CALL.sub("", text).strip()
     message: dict[str, Any] = {"role": "assistant", "content": content}
@@ -177,3 +178,44 @@ def render_chat(messages: list[dict[str, Any]], tools: list[dict[str, Any]], too
         return out + render_observation(pending)
     # the conversation ended on an assistant message (or had none after the opening)
     return out + ("\n<|im_start|>assistant\n" if first < len(messages) else "")
+
+
+@dataclass
+class TokenizedConversation:
+    """A conversation as the rollout's token record: the opening once, each assistant turn as the tokens an
+    engine would have sampled (its text, then ``<|im_end|>``), each run of tool / user messages as one
+    observation; ``loss_mask`` marks the assistant turns, ``turns`` their spans."""
+
+    tokens: list[int]
+    loss_mask: list[int]
+    prompt_len: int
+    turns: list[tuple[int, int]]
+
+
+def tokenize_conversation(messages: list[dict[str, Any]], tools: list[dict[str, Any]], tokenizer: Any,
+                          tool_format: str = "json") -> TokenizedConversation:
+    """The tokens the rollout would have recorded for this conversation, turn by turn as it builds them
+    (``RolloutWorker.play``: the oracle's turns are exactly these), so a demonstration from a file trains
+    the same tokens and loss mask as one played through the envs. What follows the last assistant turn
+    (the env's last answer) is left out, as the rollout leaves it out."""
+    messages = [dict(m, content=text_of(m.get("content"))) for m in messages]
+    first = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), len(messages))
+    end_of_turn = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    tokens = tokenizer.encode(render_opening(messages[:first], tools, tool_format), add_special_tokens=False)
+    mask = [0] * len(tokens)
+    prompt_len, turns = len(tokens), []
+    pending: list[dict[str, Any]] = []
+    for m in messages[first:]:
+        if m["role"] != "assistant":
+            pending.append(m)
+            continue
+        if pending:
+            observation = tokenizer.encode(render_observation(pending), add_special_tokens=False)
+            tokens += observation
+            mask += [0] * len(observation)
+            pending = []
+        turn = tokenizer.encode(render_tool_call(m), add_special_tokens=False) + [end_of_turn]
+        turns.append((len(tokens), len(tokens) + len(turn)))
+        tokens += turn
+        mask += [1] * len(turn)
+    return TokenizedConversation(tokens=tokens, loss_mask=mask, prompt_len=prompt_len, turns=turns)
