@@ -147,8 +147,10 @@ def test_union_actions_mcp_backed_envs_and_plain_http(server: str) -> None:
 
 
 def test_settings_that_cannot_work_fail_at_start(server: str) -> None:
-    with pytest.raises(ValueError, match="exactly one of url or server_command"):
+    with pytest.raises(ValueError, match="url, or server_command"):
         OpenEnvEnv(OpenEnvConfig(), 1, 1)
+    with pytest.raises(ValueError, match="has {port} in it"):
+        OpenEnvEnv(OpenEnvConfig(url=f"{server}/guess", server_command=["prog"]), 1, 1)
     with pytest.raises(ValueError, match="transport is auto"):
         OpenEnvEnv(OpenEnvConfig(url=f"{server}/guess", transport="grpc"), 1, 1)
     with pytest.raises(RuntimeError, match="exited with 2 before it answered"):

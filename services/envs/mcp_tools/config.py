@@ -20,7 +20,7 @@ class McpToolsConfig:
                                   "protocol first, then legacy")
     tasks_file: str = opt("", "JSONL, one task per line: prompt, and optionally id, answer, split (train | "
                               "test; default train), setup (tool calls run before the agent's first turn: "
-                              "[{tool, arguments}]), grader, verifier_arguments, level, kind")
+                              "[{tool, arguments}]), grader, verifier_arguments, level, kind", path=True)
     grader: str = opt("exact", "how an answer is graded, unless its task names one: exact | regex (the task's "
                                "answer is a pattern the whole answer must match) | numeric | tool:NAME (the "
                                "server's tool NAME returns the reward) | pkg.mod:function(task, transcript)")

@@ -13,7 +13,8 @@ class OpenEnvConfig:
     """[env.openenv] (or any task whose factory is ``services.envs.openenv_env:make_env``): an OpenEnv server,
     unchanged."""
 
-    url: str = opt("", "base URL of a running OpenEnv server (http://host:port)")
+    url: str = opt("", "base URL of a running OpenEnv server (http://host:port); with server_command, where the "
+                       "started server serves its env (default http://127.0.0.1:{port})")
     server_command: list[str] = opt([], "a command that starts an OpenEnv server, once per env replica; "
                                         "{port} in it (and $PORT) is a free port the replica picked "
                                         "(docker run -p {port}:8000 IMAGE works too); restarted if it exits")

@@ -182,14 +182,17 @@ class OpenEnvEpisode(Episode):
 class OpenEnvEnv(TaskEnv):
     def __init__(self, settings: OpenEnvConfig, num_train: int, num_test: int, name: str = "openenv") -> None:
         self.settings, self.name = settings, name
-        if bool(settings.url) == bool(settings.server_command):
-            raise ValueError(f"env.{name}: name the OpenEnv server by exactly one of url or server_command")
+        if not settings.url and not settings.server_command:
+            raise ValueError(f"env.{name}: name the OpenEnv server: url, or server_command that starts one")
+        if settings.url and settings.server_command and "{port}" not in settings.url:
+            raise ValueError(f"env.{name}.url: with server_command, the url of the started server has {{port}} "
+                             f"in it (http://127.0.0.1:{{port}}/path), got {settings.url!r}")
         if settings.transport not in ("auto", "websocket", "http") or settings.reward not in ("last", "sum"):
             raise ValueError(f"env.{name}: transport is auto | websocket | http and reward is last | sum, got "
                              f"{settings.transport!r} and {settings.reward!r}")
         if num_train > settings.test_seed_offset:
             raise ValueError(f"env.{name}: {num_train} training seeds would reach the test seeds")
-        self.server = ManagedServer(settings.server_command, settings.server_startup_timeout_s, name) \
+        self.server = ManagedServer(settings.server_command, settings.url, settings.server_startup_timeout_s, name) \
             if settings.server_command else None
         try:
             url = self.url()

@@ -26,10 +26,11 @@ class ManagedServer:
     """Started at once; ``url`` answers /health before the constructor returns. ``ensure_running`` starts it
     again if it exited (an episode opened after a crash gets a fresh server; the ones in flight ended with it)."""
 
-    def __init__(self, command: list[str], startup_timeout_s: float, task: str) -> None:
+    def __init__(self, command: list[str], url: str, startup_timeout_s: float, task: str) -> None:
+        """``{port}`` in ``command`` and ``url`` is the port picked for the server."""
         if not command:
             raise ValueError(f"env.{task}.server_command: empty")
-        self.command, self.startup_timeout_s, self.task = command, startup_timeout_s, task
+        self.command, self.url_template, self.startup_timeout_s, self.task = command, url, startup_timeout_s, task
         self.lock = threading.Lock()
         self.proc: subprocess.Popen[bytes] | None = None
         self.url = ""
@@ -41,7 +42,7 @@ class ManagedServer:
         argv = [part.replace("{port}", str(port)) for part in self.command]
         # its own process group, so that a server that forks workers is stopped whole
         self.proc = subprocess.Popen(argv, env={**os.environ, "PORT": str(port)}, start_new_session=True)
-        self.url = f"http://127.0.0.1:{port}"
+        self.url = (self.url_template or "http://127.0.0.1:{port}").replace("{port}", str(port)).rstrip("/")
         self.starts += 1
         deadline = time.monotonic() + self.startup_timeout_s
         while True:
