@@ -112,6 +112,9 @@ def test_stdio_tools_as_listed_a_verifier_tool_grades(tasks_file: str) -> None:
         ep.close()
         with pytest.raises(KeyError):
             env.open("held-out", "train", 0)
+        held_out = env.open("held-out", "test", 0)  # a task with an answer: the oracle submits it
+        assert held_out.call(env.oracle(held_out)).reward == 1.0
+        held_out.close()
     finally:
         env.close()
     assert server_children() == []  # every episode's server process was stopped

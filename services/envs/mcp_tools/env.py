@@ -178,6 +178,17 @@ class McpToolsEnv(TaskEnv):
             raise KeyError(task_id)
         return McpEpisode(self, task)
 
+    def oracle(self, episode: Episode) -> ToolCall:
+        """The task's own answer, submitted: what a task with an ``answer`` is solved by (demonstrations for
+        ``jetrl sft``, ``jetrl env-check``). A task graded by a verifier or a function alone has no oracle."""
+        assert isinstance(episode, McpEpisode)
+        if episode.task.answer is None:
+            raise NotImplementedError(f"task {episode.task.id} has no answer to submit")
+        answer = episode.task.answer
+        if episode.task.grader == "regex":
+            raise NotImplementedError(f"task {episode.task.id}: its answer is a pattern, not an answer")
+        return ToolCall(self.settings.answer_tool, {"answer": str(answer)})
+
     def close(self) -> None:
         self.loop.close()
 
