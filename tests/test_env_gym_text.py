@@ -98,6 +98,12 @@ def test_a_reasoning_gym_dataset_is_scored_by_its_own_rule() -> None:
     assert right.opening()[1]["content"] == right.env.entry["question"]
     assert right.call(act(answer)).reward == 1.0
     assert env.open("seed-0", "train", 0).call(act("no idea")).reward == 0.0
+    expert = env.open("seed-1000001", "test", 0)  # the dataset knows its answers: the oracle submits them
+    assert "final answer only" in expert.opening()[0]["content"]
+    assert expert.call(env.oracle(expert)).reward == 1.0
+    with pytest.raises(NotImplementedError):
+        lake = build_env(FROZEN_LAKE, "lake", 1, 1)
+        lake.oracle(lake.open("seed-0", "train", 0))
 
 
 async def test_served_over_nats_bad_calls_are_observations_and_a_crash_is_env_error(nc, subjects) -> None:

@@ -129,7 +129,7 @@ class GymTextEpisode(Episode):
         self.total = 0.0
         self._tools = act_tool(settings.action_help or describe_space(env.action_space))
         observation, _ = env.reset(seed=seed)
-        instructions = settings.instructions or (
+        instructions = settings.instructions or getattr(env, "instructions", "") or (
             f"You are acting in the text environment {task}. Each turn, call the tool act with one action; "
             f"its result is what the environment shows next. {describe_space(env.action_space)}")
         self._opening = [{"role": "system", "content": instructions},
@@ -186,6 +186,15 @@ class GymTextEnv(TaskEnv):
         if task_id not in self.seeds.get(split, {}):
             raise KeyError(task_id)
         return TaskLevel(level=0, kind=self.settings.id or self.settings.entry_point)
+
+    def oracle(self, episode: Episode) -> ToolCall:
+        """Where the env knows its answer (a reasoning-gym question), the scripted expert submits it; a
+        Gymnasium env or a TextArena game has no such expert."""
+        assert isinstance(episode, GymTextEpisode)
+        answer = getattr(episode.env, "oracle_action", None)
+        if answer is None:
+            raise NotImplementedError(f"{self.name}: a {self.settings.source} env has no scripted expert")
+        return ToolCall("act", {"action": answer()})
 
     def open(self, task_id: str, split: str, seed: int) -> Episode:
         env_seed = self.seeds[split][task_id]  # KeyError: unknown task

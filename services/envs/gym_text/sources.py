@@ -88,6 +88,13 @@ class ReasoningGymView:
         self.entry = self.dataset[0]
         return str(self.entry["question"]), {}
 
+    instructions = ("Answer the question: call the tool act once, with your final answer only (no working); "
+                    "that ends the task.")
+
+    def oracle_action(self) -> str:
+        """The dataset's own answer: what a scripted expert submits (demonstrations for ``jetrl sft``)."""
+        return str(self.entry["answer"])
+
     def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
         score = float(self.dataset.score_answer(action, self.entry))
         verdict = "Correct." if score >= 1.0 else f"Scored {score:g}."
