@@ -59,6 +59,8 @@ def as_function(tool: Any) -> dict[str, Any]:
 
 
 class McpEpisode(Episode):
+    calls_per_message = "all"  # as an MCP client runs a model's parallel tool calls: each, in order
+
     def __init__(self, env: McpToolsEnv, task: McpTask) -> None:
         self.env, self.task, self.settings = env, task, env.settings
         self.max_turns = self.settings.max_turns
