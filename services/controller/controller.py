@@ -11,7 +11,7 @@
   naming the newest policy version (a rollout loads it before the first turn); the next batch waits for
   the trainer's step on this one. Staleness 0, and no overlap of generation and training.
 * Lanes (``controller.task_max_inflight``): a task with its bound of episodes in flight is skipped, so a
-  slow or stuck task (os, alfworld) cannot hold every in-flight slot while a fast one waits; with
+  slow or stuck task (a sandbox per episode, a game engine) cannot hold every in-flight slot while a fast one waits; with
   ``lane_lead`` the others run at most that many groups ahead of their share, which keeps the mix.
 * Lifecycle: an episode is *published*, then *finished* when its trajectory lands in TRAJ (each
   episode id counted once, whatever the redeliveries).
@@ -31,6 +31,7 @@ from typing import Any
 
 import structlog
 from nats.aio.client import Client
+from nats.aio.msg import Msg
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
@@ -38,10 +39,11 @@ from nats.js.errors import NotFoundError
 from services.controller.board import RunBoard
 from services.controller.report import eval_report
 from services.controller.sources import Replicas, checked_report
-from shared.bus import TRANSIENT, decode_or_dead_letter, publish_retrying
+from shared.bus import TRANSIENT, decode_or_dead_letter, judge_each, publish_retrying
 from shared.config import JetRLConfig
 from shared.consumers import bind_durable, controller_consumer
 from shared.envapi import EnvClient, EnvError
+from shared.lifecycle import supervise
 from shared.messages import (
     BadMessage,
     EpisodeJob,
@@ -143,8 +145,8 @@ class Controller:
     # ------------------------------------------------------------------ plan and publish
     async def fetch_task_ids(self, timeout_s: float = 120.0, split: str = "train",
                              train_limit: bool = True) -> dict[str, list[str]]:
-        """Ask each task's env service for its task ids of a split (waits for env replicas to come up: alfworld's
-        takes longer than a request's timeout); for training, the first ``controller.train_limit`` of them."""
+        """Ask each task's env service for its task ids of a split (waits for env replicas to come up: a task whose
+        engines load slowly takes longer than a request's timeout); for training, the first ``controller.train_limit`` of them."""
         out: dict[str, list[str]] = {}
         deadline = time.monotonic() + timeout_s
         for task, share in self.cfg.controller.tasks.items():
@@ -175,7 +177,7 @@ class Controller:
         stops (``jetrl up`` ends the run on it with the reason; a reader that joins late still hears it)."""
         self.state = f"failed: {error}"
         log.error("plan_failed", error=repr(error))
-        self._failure_announcer = asyncio.create_task(self._announce_failure(str(error)))
+        self._failure_announcer = supervise(self._announce_failure(str(error)), "failure_announcer", None)
 
     async def _announce_failure(self, reason: str, every_s: float = 5.0) -> None:
         while not self.nc.is_closed:
@@ -187,7 +189,7 @@ class Controller:
             await asyncio.sleep(every_s)
 
     def env_building(self, task: str) -> str:
-        """``building, kg questions 43 %`` while a live replica of ``task``'s env builds its data, else ''."""
+        """``building, questions 43 %`` while a live replica of ``task``'s env builds its data, else ''."""
         ttl = self.cfg.controller.heartbeat_ttl_s
         for r in self.replicas:
             if r["role"] == f"env-{task}" and r["age_s"] < ttl and is_building(r["info"]):
@@ -400,11 +402,13 @@ class Controller:
                 log.warning("trajectory_fetch_failed", error=repr(exc))
                 await asyncio.sleep(0.5)
                 continue
-            for msg in msgs:  # a bad one is dead-lettered and terminated by the shared helper
-                traj = await decode_or_dead_letter(self.js, self.subjects, "controller", msg, Trajectory)
-                if traj is not None:
-                    self.on_trajectory(traj)
-                    await msg.ack()
+            await judge_each(self.js, self.subjects, "controller", msgs, self._take_trajectory)
+
+    async def _take_trajectory(self, msg: Msg) -> None:
+        traj = await decode_or_dead_letter(self.js, self.subjects, "controller", msg, Trajectory)
+        if traj is not None:
+            self.on_trajectory(traj)
+            await msg.ack()
 
     def on_trajectory(self, traj: Trajectory) -> None:
         if traj.episode_id in self.finished:
