@@ -407,6 +407,8 @@ def _parse_scalar(raw: str, hint: Any, key: str) -> Any:
 
 def _check_type(value: Any, hint: Any, key: str) -> Any:
     origin = typing.get_origin(hint)
+    if hint is Any:  # a value the task hands on as it is (a constructor's keyword arguments)
+        return value
     if hint is float and type(value) in (int, float):
         return float(value)
     if hint in (int, str, bool) and type(value) is hint:

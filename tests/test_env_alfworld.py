@@ -28,6 +28,7 @@ from services.envs.host import EnvHost  # noqa: E402
 from shared.config import EnvConfig  # noqa: E402
 from shared.envapi import EnvClient  # noqa: E402
 from tests.host_turns import HostSession, assistant_calls  # noqa: E402
+from tests.procs import env_check  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -385,3 +386,12 @@ def test_expert_finds_the_lamp_and_a_mug_within_agentbenchs_rounds(env: Alfworld
         won, actions = engine.play_expert(str(gen.write_game(env.root, task_id)), task_id, 20)
         assert won and len(actions) <= 20, (task_id, actions)
         assert "use desklamp 1" in actions[-1]
+
+
+def test_env_check_passes() -> None:
+    """`jetrl env-check alfworld`: one game per split, the planner oracle (it always wins; the handcoded
+    expert may not, within max_rounds), one engine process."""
+    out = env_check("alfworld", "--episodes=1", "--env.num_train_tasks=1", "--env.num_test_tasks=1",
+                    "--env.alfworld.pool_size=1", "--env.alfworld.prefetch=0", "--env.alfworld.oracle=planner",
+                    timeout_s=600)
+    assert "oracle test                  1/1 solved" in out and "env-check alfworld: 11 passed" in out
