@@ -3,6 +3,7 @@
     jetrl quickstart [--config FILE] [--fresh]   # cached warm start, then RL that improves it
     jetrl up [--config FILE] [--rollouts N] [--section.key=value ...]
     jetrl sft [--config FILE] [...]     # warm start on oracle demonstrations -> <run>/model
+    jetrl sft --data FILE [...]         # warm start on a chat dataset (jetrl export's, or any) -> <run>/model
     jetrl eval [--config FILE] [...]    # test split, greedy, per-task report -> <run>/eval.json
     jetrl eval --engine openai --base-url URL --model NAME   # the same, any OpenAI-compatible server
     jetrl eval --suite bfcl [...]       # BFCL's offline categories, per-category accuracy
@@ -53,6 +54,7 @@ from jetrl.outcome import RunOutcome
 from jetrl.preflight import check_config
 from jetrl.schema import add_arguments as add_schema_arguments
 from jetrl.schema import run as run_schema
+from jetrl.sft_data import describe_dataset, follow_with_dataset
 from shared.auth import (
     CLUSTER_PASSWORD_ENV,
     ROLES,
@@ -385,6 +387,8 @@ def trainer_command(ranks: int, torch_threads: int) -> tuple[list[str], list[str
 def cmd_up(args: argparse.Namespace, overrides: list[str], mode: str = "up") -> int:
     cfg = load_config(args.config, MODE_DEFAULTS[mode] + eval_overrides(args) + overrides)
     preflight(cfg)  # before anything starts: a mistake in one line now, not a crash loop in minutes
+    if getattr(args, "data", None):
+        print(f"jetrl sft: {describe_dataset(args.data, cfg)}", flush=True)
     trainer_command(getattr(args, "trainer_ranks", 1), cfg.trainer.torch_threads)  # a bad --trainer-ranks: say so first
     run_dir = Path(cfg.run.dir).resolve()
     if not getattr(args, "resume", False):
@@ -418,12 +422,13 @@ def cmd_up(args: argparse.Namespace, overrides: list[str], mode: str = "up") -> 
     (run_dir / "controller.url").unlink(missing_ok=True)  # an earlier run's; the new controller writes its own
     stop = asyncio.Event()
     rc = 1
+    data = getattr(args, "data", None)  # jetrl sft --data: demonstrations from a file, no env or rollout
     try:
-        for task, share in cfg.controller.tasks.items():
+        for task, share in cfg.controller.tasks.items() if data is None else ():
             if share > 0:
                 for i in range(args.env_replicas):
                     sup.spawn(f"env-{task}-{i}", ["services.envs", task])
-        for i in range(args.rollouts):
+        for i in range(args.rollouts if data is None else 0):
             sup.spawn(f"rollout-{i}", ["services.rollout"])
         for i in range(args.stale_engines):  # generation-only pool members on old weights (AgentRL)
             sup.spawn(f"stale-{i}", ["services.rollout"], ["--rollout.engine_kind=stale", "--rollout.serve_jobs=false"])
@@ -431,14 +436,17 @@ def cmd_up(args: argparse.Namespace, overrides: list[str], mode: str = "up") -> 
         main_role = "controller" if evaluating else "trainer"
         if not evaluating:
             sup.spawn("trainer", *trainer_command(getattr(args, "trainer_ranks", 1), cfg.trainer.torch_threads))
-        sup.spawn("controller", ["services.controller"])
+        if data is None:
+            sup.spawn("controller", ["services.controller"])
         print(f"jetrl {mode}: started {', '.join(sup.procs)}", flush=True)
 
         async def main() -> int:
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.add_signal_handler(sig, stop.set)
-            return await _follow_progress(cfg, cfg.nats.url, sup, stop, main_role)
+            if data is None:
+                return await _follow_progress(cfg, cfg.nats.url, sup, stop, main_role)
+            return await follow_with_dataset(_follow_progress(cfg, cfg.nats.url, sup, stop, main_role), cfg, data)
 
         rc = asyncio.run(main())
         if stop.is_set():
@@ -676,6 +684,10 @@ def _main(argv: list[str]) -> int:
         p.add_argument("--resume", action="store_true",
                        help="continue the run in run.dir (its checkpoints and streams); without it an earlier "
                             "run there is renamed and a fresh one starts")
+        if name == "sft":
+            p.add_argument("--data", default=None, help="demonstrations from this dataset file (.parquet / .jsonl: "
+                                                        "jetrl export's, or any chat dataset with OpenAI tool calls) "
+                                                        "instead of the envs' oracles")
         if name in ("eval", "probe"):
             p.add_argument("--engine", default=None, help="rollout.engine: continuous | hf | vllm | openai")
             p.add_argument("--base-url", default=None, help="openai engine: the server, e.g. http://host:8001/v1")
