@@ -12,6 +12,7 @@
     jetrl watch [--run-dir DIR | --url NATS_URL --prefix P] [--task T] [--events]
     jetrl status [--run-dir DIR]
     jetrl export [--run-dir DIR | --url NATS_URL --prefix P] -o FILE.parquet|.jsonl [filters]   # docs/data.md
+    jetrl reverify [--run-dir DIR] [--task T] [--section.key=value ...]   # grade stored episodes again
     jetrl config [--task T]   # every config key with its default and help; with a task, only
                               # what its env service reads: [env] and [env.<task>]
     jetrl topology [--config FILE]   # declare streams and buckets as the NATS admin (compose)
@@ -52,6 +53,8 @@ from jetrl.export import add_arguments as add_export_arguments
 from jetrl.export import cmd_export
 from jetrl.outcome import RunOutcome
 from jetrl.preflight import check_config
+from jetrl.reverify import add_arguments as add_reverify_arguments
+from jetrl.reverify import cmd_reverify
 from jetrl.schema import add_arguments as add_schema_arguments
 from jetrl.schema import run as run_schema
 from jetrl.sft_data import describe_dataset, follow_with_dataset
@@ -725,6 +728,8 @@ def _main(argv: list[str]) -> int:
     add_schema_arguments(schema)
     add_export_arguments(sub.add_parser("export", help="a run's trajectories as a dataset file (Parquet or JSONL, "
                                                       "the Hugging Face chat format), filtered"))
+    add_reverify_arguments(sub.add_parser("reverify", help="replay a run's stored episodes against fresh env "
+                                                           "sessions and report where the grade differs"))
     args, rest = parser.parse_known_args(argv)
     setup_logging("cli", level="warning")  # the CLI prints its own lines; services log to their files
     if args.command in MODE_DEFAULTS:
@@ -739,6 +744,8 @@ def _main(argv: list[str]) -> int:
         return cmd_topology(args, rest)
     if args.command == "export":
         return cmd_export(args, rest)
+    if args.command == "reverify":
+        return cmd_reverify(args, rest)
     if rest:
         parser.error(f"unrecognised arguments: {rest}")
     if args.command == "secrets":

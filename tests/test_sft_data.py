@@ -118,16 +118,33 @@ def test_export_of_a_runs_successes_trains_with_sft_data_and_the_loss_falls(orac
 
     frame = pd.read_parquet(demos)
     assert len(frame) >= 8 and set(frame["reward"]) == {1.0} and set(frame["task"]) == {"db"}
+    four = tmp_path / "four.parquet"  # pandas writes it back: the same four conversations every step
+    frame.head(4).to_parquet(four)
 
     data_run = tmp_path / "from-data"
-    proc = _jetrl("sft", "--config", str(cfg_path), "--data", str(demos), f"--run.dir={data_run}",
-                  "--trainer.steps=6", "--trainer.lr=3e-3", "--trainer.min_groups=4", "--trainer.max_groups=4")
+    proc = _jetrl("sft", "--config", str(cfg_path), "--data", str(four), f"--run.dir={data_run}",
+                  "--trainer.steps=4", "--trainer.lr=3e-3", "--trainer.min_groups=4", "--trainer.max_groups=4",
+                  "--trainer.checkpoint_every=0")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert f"{len(frame)} conversations (db {len(frame)})" in proc.stdout
+    assert "4 conversations (db 4)" in proc.stdout
     assert "started trainer" in proc.stdout and "env-db" not in proc.stdout  # no env, rollout or controller
     rows = [json.loads(line) for line in (data_run / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == list(range(1, 7))
+    assert [r["step"] for r in rows] == list(range(1, 5))
     assert all(r["train/sft_trajectories"] == 4 for r in rows)
     losses = [r["train/loss"] for r in rows]
-    assert all(b < a for a, b in zip(losses, losses[1:], strict=False)) and losses[-1] < 0.95 * losses[0], losses
+    assert all(b < a for a, b in zip(losses, losses[1:], strict=False)) and losses[-1] < 0.97 * losses[0], losses
     assert (data_run / "model" / "config.json").is_file()
+
+
+@pytest.mark.slow
+def test_the_oracle_runs_episodes_replay_to_their_stored_grades(oracle_run: tuple[Path, Path], tmp_path: Path) -> None:
+    """db's replay rule: each stored episode's task, seed and action log, replayed by `jetrl reverify`
+    against a fresh db env, give the same opening, the same answers and the same grade."""
+    run_dir, _ = oracle_run
+    out = tmp_path / "reverify.jsonl"
+    proc = _jetrl("reverify", "--run-dir", str(run_dir), "--out", str(out), timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    results = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(results) >= 8 and f"{len(results)} episodes replayed, 0 graded differently" in proc.stdout
+    assert all(r["replayed_reward"] == r["stored_reward"] == 1.0 and r["replayed_status"] == "completed"
+               and not r["opening_differs"] and not r["answers_differ"] for r in results)
