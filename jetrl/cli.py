@@ -11,6 +11,7 @@
     jetrl probe [--config FILE] [...]   # eval, greedy and sampled, per task / level / kind
     jetrl watch [--run-dir DIR | --url NATS_URL --prefix P] [--task T] [--events]
     jetrl status [--run-dir DIR]
+    jetrl creds observer [--run-dir DIR]   # read-only NATS credentials for outside readers (context file, URL)
     jetrl export [--run-dir DIR | --url NATS_URL --prefix P] -o FILE.parquet|.jsonl [filters]   # docs/data.md
     jetrl reverify [--run-dir DIR] [--task T] [--section.key=value ...]   # grade stored episodes again
     jetrl config [--task T]   # every config key with its default and help; with a task, only
@@ -47,7 +48,7 @@ from typing import Any
 
 import structlog
 
-from jetrl.access import close_status_api, dashboard_link
+from jetrl.access import close_status_api, cmd_creds, dashboard_link
 from jetrl.errors import CliError, run_cli
 from jetrl.export import add_arguments as add_export_arguments
 from jetrl.export import cmd_export
@@ -69,6 +70,7 @@ from shared.auth import (
 )
 from shared.bus import connect, declare_topology
 from shared.config import TASKS, JetRLConfig, describe, load_config, save_config
+from shared.consumers import declare_durables
 from shared.log import setup_logging
 from shared.messages import ActionEvent, BadMessage, MetricsReport, ObservationEvent, Trajectory, decode, encode
 from shared.natsd import EmbeddedNats
@@ -295,10 +297,12 @@ async def _follow_progress(cfg: JetRLConfig, url: str, sup: Supervisor, stop: as
 
 
 async def _declare_topology(cfg: JetRLConfig) -> None:
+    """Streams, buckets and the run's durable consumers, as the admin: no service role may create them."""
     nc = await connect(cfg.nats, "jetrl-up-admin", role="admin")
     try:
-        await declare_topology(nc.jetstream(), Subjects(cfg.nats.prefix), cfg.nats, cfg.controller.heartbeat_ttl_s,
-                               role="admin")
+        js, subjects = nc.jetstream(), Subjects(cfg.nats.prefix)
+        await declare_topology(js, subjects, cfg.nats, cfg.controller.heartbeat_ttl_s, role="admin")
+        await declare_durables(js, subjects, cfg)
     finally:
         await nc.close()
 
@@ -418,7 +422,7 @@ def cmd_up(args: argparse.Namespace, overrides: list[str], mode: str = "up") -> 
     close_status_api(cfg, run_dir)  # a token per run, in a 0600 file: the config names the file only
     config_path = run_dir / "config.toml"
     save_config(cfg, config_path)  # before nats.url: `jetrl watch` reads the credentials' place from it
-    (run_dir / "nats.url").write_text(f"{cfg.nats.url}\n{cfg.nats.prefix}\n")
+    (run_dir / "nats.url").write_text(f"{cfg.nats.url}\n{cfg.nats.prefix}\n")  # outside tools: jetrl creds observer
     print(f"jetrl {mode}: run directory {run_dir}, NATS {cfg.nats.url} (prefix {cfg.nats.prefix})", flush=True)
     print(f"jetrl {mode}: watch live episodes with `jetrl watch --run-dir {run_dir} --events`", flush=True)
     sup = Supervisor(cfg, config_path, run_dir, server)
@@ -547,8 +551,13 @@ def cmd_serve(args: argparse.Namespace, overrides: list[str]) -> int:
 def _run_target(run_dir: str | None, url: str | None, prefix: str | None) -> tuple[str, str]:
     if url:
         return url, prefix or "jetrl"
-    lines = (Path(run_dir or "runs/latest") / "nats.url").read_text().split()
-    return lines[0], prefix or lines[1]
+    run_dir = run_dir or "runs/latest"
+    url_file = Path(run_dir) / "nats.url"
+    if not url_file.is_file():
+        raise CliError(f"no run in {run_dir} (no nats.url there): start one with `jetrl up`, or give --run-dir "
+                       "or --url")
+    lines = url_file.read_text().split()
+    return lines[0], prefix or (lines[1] if len(lines) > 1 else _run_config(run_dir).nats.prefix)
 
 
 def cmd_watch(args: argparse.Namespace) -> int:
@@ -629,13 +638,14 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_topology(args: argparse.Namespace, overrides: list[str]) -> int:
-    """Declare every stream and bucket as the admin user: on an authenticated server only the admin may
-    (shared/auth.py); the services wait for them. Compose runs this once as its `topology` service."""
+    """Declare every stream, bucket and durable consumer as the admin user: on an authenticated server only
+    the admin may (shared/auth.py); the services wait for them. Compose runs this once as its `topology`
+    service, with the run's config (the durables' lanes and ack waits come from it)."""
     cfg = load_config(args.config, overrides)
     if not cfg.nats.url:
         raise CliError("jetrl topology: set nats.url (JETRL__NATS__URL) to the server to declare on")
     asyncio.run(_declare_topology(cfg))
-    print(f"jetrl topology: streams and buckets of prefix {cfg.nats.prefix} declared on {cfg.nats.url}")
+    print(f"jetrl topology: streams, buckets and durables of prefix {cfg.nats.prefix} declared on {cfg.nats.url}")
     return 0
 
 
@@ -712,6 +722,10 @@ def _main(argv: list[str]) -> int:
     quick.add_argument("--env-replicas", type=int, default=1, help="replicas per task env")
     quick.add_argument("--stale-engines", type=int, default=0, help="extra stale pool engines")
     quick.add_argument("--fresh", action="store_true", help="rebuild the warm start even if one is cached")
+    creds = sub.add_parser("creds", help="read-only NATS credentials of a run for outside tools: a context file "
+                                         "and a URL")
+    creds.add_argument("role", choices=["observer"], help="observer: reads streams, publishes nothing")
+    creds.add_argument("--run-dir", default="runs/latest")
     status = sub.add_parser("status", help="the controller's /status of a run")
     status.add_argument("--run-dir", default="runs/latest")
     config = sub.add_parser("config", help="every config key with its default and help")
@@ -754,6 +768,8 @@ def _main(argv: list[str]) -> int:
         return cmd_watch(args)
     if args.command == "status":
         return cmd_status(args)
+    if args.command == "creds":
+        return cmd_creds(args)
     if args.command == "schema":
         return run_schema(args)
     print(describe(args.task))

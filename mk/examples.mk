@@ -13,3 +13,14 @@ $(TS_LEDGER)/node_modules/.package-lock.json: $(TS_LEDGER)/package.json $(TS_LED
 $(TS_LEDGER)/dist/main.js: $(TS_LEDGER)/node_modules/.package-lock.json $(TS_LEDGER)/tsconfig.json $(wildcard $(TS_LEDGER)/src/*.ts)
 	cd $(TS_LEDGER) && npx --no-install tsc -p .
 	touch $@
+
+# examples/readers: outside readers of a run's streams (Python and Node, as the observer). npm installs the
+# Node one's two packages from package-lock.json; tests/test_readers.py runs this target and skips without node.
+READERS := examples/readers
+
+.PHONY: setup-readers
+setup-readers: $(READERS)/node_modules/.package-lock.json
+
+$(READERS)/node_modules/.package-lock.json: $(READERS)/package.json $(READERS)/package-lock.json
+	cd $(READERS) && npm ci --no-audit --no-fund --loglevel=error
+	touch $@

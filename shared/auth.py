@@ -6,21 +6,23 @@ Roles and what they may do (JetStream API, KV and object-store internals include
 
 * ``trainer``: pulls TRAJ through its durable consumer; the only writer of the weights object store,
   the policy KV and ``weights.published`` / ``trainer.finished``.
-* ``controller``: the only publisher of jobs and ``run.control``; reads TRAJ through its own durable
-  consumer, the trainer consumer's backlog, the registry, metrics and announcements.
-* ``rollout``: pulls JOBS through the shared durable consumer (or one per task: lanes); publishes actions, observations and
-  trajectories; calls env and generation-pool endpoints, serves the pool; reads the weights.
+* ``controller``: the only publisher of jobs and ``run.control``; pulls TRAJ through its own durable,
+  reads the trainer durable's backlog, stored episodes (the dashboard), the live registry writes, metrics and
+  announcements.
+* ``rollout``: pulls JOBS through the rollouts' durables (one shared, or one per task lane); publishes actions,
+  observations and trajectories; calls env and generation-pool endpoints, serves the pool; reads the weights
+  (a named ephemeral consumer on one object's chunks) and the policy KV (a get, and its writes' subject).
 * ``env``: serves the env endpoints (NATS micro), answers only the requests it receives.
-* ``observer`` (``jetrl watch``, any trajectory-stream reader): reads
-  TRAJ, EPISODES, DLQ, metrics and announcements; publishes nothing but its own ephemeral consumers'
-  API requests, never on a durable consumer of a service.
-* ``admin``: everything; declares the topology (streams and buckets) before the services start, since
-  creating or updating a stream can redirect messages (``republish``, subject transforms) past every
-  other permission.
+* ``observer`` (``jetrl watch``, any stream reader): reads TRAJ, EPISODES, DLQ (ephemeral consumers it names,
+  never a service's durable), metrics and announcements; publishes nothing else.
+* ``admin``: everything; declares the topology (streams, buckets and every durable consumer) before the
+  services start, since creating or updating a stream can redirect messages (``republish``, subject
+  transforms) past every other permission, and a consumer's settings decide what its service receives.
 
-Every role but admin gets its own inbox prefix (``_INBOX_<role>``) so no role can read another's
-replies, and ``allow_responses`` so responders answer only requests they received. Every service
-role may write the registry KV (heartbeats) and publish dead letters.
+No service role creates a durable consumer, and none reads back (consumer, direct get) a stream it writes
+(see the table's comment). Every role but admin gets its own inbox prefix (``_INBOX_<role>``) so no role
+can read another's replies, and ``allow_responses`` so responders answer only requests they received. Every
+service role may write its own role's registry keys (heartbeats) and publish dead letters.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shared.config import TASKS, ControllerConfig, NatsConfig
+from shared.config import ControllerConfig, NatsConfig
 from shared.subjects import Subjects
 
 ROLES = ("admin", "trainer", "controller", "rollout", "env", "observer")
@@ -69,33 +71,46 @@ def inbox_prefix(role: str) -> str:
 
 
 # ---------------------------------------------------------------------------- the permission table
-def _stream_read(stream: str) -> list[str]:
-    """Look up a stream and get single messages from it (KV get, object info) without a consumer."""
-    return [f"{API}.STREAM.INFO.{stream}", f"{API}.STREAM.MSG.GET.{stream}",
-            f"{API}.DIRECT.GET.{stream}", f"{API}.DIRECT.GET.{stream}.>"]
+# What nats-server does not check, and the table below therefore never grants a role on a stream it writes:
+# the subject a consumer delivers to (a push consumer's deliver subject, a pull request's reply subject) and
+# the reply subject of a direct get. The server sends stored messages there as they are, on the client's
+# behalf and past its publish permissions, so a role that could write a stream and read it back through a
+# consumer or a direct get could put any bytes on any subject. Message gets (STREAM.MSG.GET) answer in JSON,
+# which no consumer of ours decodes as one of its messages.
+def _lookup(streams: list[str]) -> list[str]:
+    """Look streams up (declare_topology waits for them, a KV or object-store handle reads its config)."""
+    return [f"{API}.INFO", f"{API}.STREAM.NAMES", *(f"{API}.STREAM.INFO.{st}" for st in streams)]
 
 
-def _ephemeral_consumers(stream: str) -> list[str]:
-    """Create, pull from, ack, flow-control and delete consumers of ``stream`` (ordered readers, the
-    weights reader). Roles that must not touch a service's durable consumer get denies on top."""
-    return [f"{API}.CONSUMER.CREATE.{stream}", f"{API}.CONSUMER.CREATE.{stream}.>",
-            f"{API}.CONSUMER.INFO.{stream}.*", f"{API}.CONSUMER.DELETE.{stream}.*",
-            f"{API}.CONSUMER.MSG.NEXT.{stream}.*", f"$JS.ACK.{stream}.>", f"$JS.FC.{stream}.>"]
+def _message_get(stream: str) -> list[str]:
+    """Single messages of ``stream`` (a KV get, an object's info) as the JSON of a message get."""
+    return [f"{API}.STREAM.MSG.GET.{stream}"]
 
 
-def _durable(stream: str, name: str) -> list[str]:
-    """Use one durable pull consumer: create or bind it, pull, ack (in progress, nak, term)."""
-    return [f"{API}.CONSUMER.CREATE.{stream}.{name}", f"{API}.CONSUMER.CREATE.{stream}.{name}.>",
-            f"{API}.CONSUMER.DURABLE.CREATE.{stream}.{name}", f"{API}.CONSUMER.INFO.{stream}.{name}",
-            f"{API}.CONSUMER.MSG.NEXT.{stream}.{name}", f"$JS.ACK.{stream}.{name}.>"]
+def _pull(stream: str, name: str) -> list[str]:
+    """Pull from and ack on an existing durable (``name`` may be ``*``: every durable of the stream); only
+    the admin creates or updates durables (shared/consumers.py)."""
+    return [f"{API}.CONSUMER.INFO.{stream}.{name}", f"{API}.CONSUMER.MSG.NEXT.{stream}.{name}",
+            f"$JS.ACK.{stream}.{name}.>"]
+
+
+def _ephemeral_reader(stream: str, filter_subject: str = ">") -> list[str]:
+    """Create, pull from and delete ephemeral consumers of ``stream`` whose name and filter are in the API
+    subject (``CONSUMER.CREATE.<stream>.<name>.<filter>``, the server holds the body to both), never the bare
+    ``CONSUMER.CREATE.<stream>``, whose body may name, and so update, any consumer of the stream."""
+    create = [f"{API}.CONSUMER.CREATE.{stream}.*.{filter_subject}"]
+    if filter_subject == ">":
+        create.append(f"{API}.CONSUMER.CREATE.{stream}.*")  # no filter token: the whole stream
+    return [*create, f"{API}.CONSUMER.INFO.{stream}.*", f"{API}.CONSUMER.MSG.NEXT.{stream}.*",
+            f"{API}.CONSUMER.DELETE.{stream}.*"]
 
 
 def _not_durable(stream: str, name: str) -> list[str]:
     """What a reader of ``stream`` must never do to a service's durable consumer ``name``: create or
     update it, pull from it (stealing its messages), ack its deliveries or delete it."""
     return [f"{API}.CONSUMER.CREATE.{stream}.{name}", f"{API}.CONSUMER.CREATE.{stream}.{name}.>",
-            f"{API}.CONSUMER.DURABLE.CREATE.{stream}.{name}", f"{API}.CONSUMER.DELETE.{stream}.{name}",
-            f"{API}.CONSUMER.MSG.NEXT.{stream}.{name}", f"$JS.ACK.{stream}.{name}.>"]
+            f"{API}.CONSUMER.DELETE.{stream}.{name}", f"{API}.CONSUMER.MSG.NEXT.{stream}.{name}",
+            f"$JS.ACK.{stream}.{name}.>"]
 
 
 def role_permissions(subjects: Subjects, role: str) -> Permissions:
@@ -107,46 +122,42 @@ def role_permissions(subjects: Subjects, role: str) -> Permissions:
     inbox = f"{inbox_prefix(role)}.>"
     if role == "admin":
         return Permissions(publish=(">",), subscribe=(">",), allow_responses=False)
-    if role == "observer":
+    if role == "observer":  # writes nothing; reads the streams through ephemeral consumers it names
         readable = [s.traj_stream, s.episodes_stream, s.dlq_stream]
-        pub = [f"{API}.INFO", f"{API}.STREAM.NAMES", *(p for st in readable for p in _stream_read(st) + _ephemeral_consumers(st))]
+        pub = [*_lookup(readable), *(p for st in readable for p in _message_get(st) + _ephemeral_reader(st))]
         deny = [*_not_durable(s.traj_stream, s.trainer_consumer), *_not_durable(s.traj_stream, s.controller_consumer)]
         sub = [inbox, s.traj(">"), *s.episode_stream_subjects, s.dead_letter(">"), s.metrics(">"), s.run_control,
                s.weights_published, s.training_finished]
         return Permissions(publish=tuple(pub), subscribe=tuple(sub), deny_publish=tuple(deny), allow_responses=False)
     if role not in SERVICE_ROLES:
         raise AuthError(f"unknown role {role!r} (known: {', '.join(ROLES)})")
-    # every service: look its streams up (declare_topology waits for them), heartbeat, dead-letter
-    pub = [f"{API}.INFO", f"{API}.STREAM.NAMES", *(f"{API}.STREAM.INFO.{st}" for st in streams), f"$KV.{s.registry_kv}.>",
-           s.dead_letter(">"),
-           # the registry's keys: a container's healthcheck (shared/healthcheck.py) lists its replicas' heartbeats
-           *_stream_read(kv_registry), *_ephemeral_consumers(kv_registry)]
+    # every service: look its streams up, heartbeat under its own role's keys, dead-letter; a container's
+    # healthcheck (shared/healthcheck.py) reads the registry's entries by message get
+    pub = [*_lookup(streams), s.registry_entries(role), s.dead_letter(">"), *_message_get(kv_registry)]
     sub = [inbox]
     if role == "trainer":
         pub += [s.weights_published, s.training_finished, s.metrics("trainer"),
                 f"$KV.{s.policy_kv}.>", f"$O.{s.weights_bucket}.>", f"{API}.STREAM.PURGE.{obj_weights}",
-                *_stream_read(kv_policy), *_ephemeral_consumers(kv_policy), *_stream_read(obj_weights),
-                *_ephemeral_consumers(obj_weights), *_durable(s.traj_stream, s.trainer_consumer)]
+                *_message_get(kv_policy), *_message_get(obj_weights), *_pull(s.traj_stream, s.trainer_consumer)]
     elif role == "controller":
         pub += [s.jobs(">"), s.run_control, s.metrics("controller"), s.env_tasks("*"), s.env_health("*"),
-                *_durable(s.traj_stream, s.controller_consumer), f"{API}.CONSUMER.INFO.{s.traj_stream}.*",
-                *_stream_read(kv_policy), *_ephemeral_consumers(kv_policy),
+                *_pull(s.traj_stream, s.controller_consumer), f"{API}.CONSUMER.INFO.{s.traj_stream}.{s.trainer_consumer}",
+                *_message_get(kv_policy),
                 # the dashboard's trajectory viewer reads stored episodes (services/controller/board.py)
-                *_stream_read(s.episodes_stream), *_ephemeral_consumers(s.episodes_stream)]
+                *_ephemeral_reader(s.episodes_stream)]
         sub += [s.action("*", "*")]  # the dashboard counts live turns and follows live episodes
         # JetStream advisories (a job out of deliveries, ...) are the server's word on our streams: read-only
-        sub += [s.metrics(">"), s.weights_published, s.training_finished, s.run_control, "$JS.EVENT.ADVISORY.>"]
+        sub += [s.metrics(">"), s.weights_published, s.training_finished, s.run_control, "$JS.EVENT.ADVISORY.>",
+                s.registry_entry_prefix + ">"]  # the live replicas (services/controller/sources.py)
     elif role == "rollout":
-        pub += [*s.episode_stream_subjects, s.traj(">"), s.metrics("rollout"),
-                f"{s.prefix}.env.>", f"{s.prefix}.gen.>", *_durable(s.jobs_stream, s.rollout_consumer),
-                *(p for t in TASKS for p in _durable(s.jobs_stream, s.rollout_lane_consumer(t))),  # per-task lanes
-                *_stream_read(kv_policy), *_ephemeral_consumers(kv_policy),  # the policy KV: read and watch
-                *_stream_read(obj_weights), *_ephemeral_consumers(obj_weights)]
+        pub += [*s.episode_stream_subjects, s.traj(">"), s.metrics("rollout"), f"{s.prefix}.env.>", f"{s.prefix}.gen.>",
+                *_pull(s.jobs_stream, "*"),  # JOBS holds only the rollouts' durables (one, or one per task lane)
+                *_message_get(kv_policy),  # the policy KV by get; its writes arrive on their subject
+                *_message_get(obj_weights), *_ephemeral_reader(obj_weights, Subjects.object_chunks(s.weights_bucket, "*"))]
         # a job out of deliveries (the server's advisory): read it back, dead-letter it, delete it (worker.py)
-        pub += [f"{API}.STREAM.MSG.GET.{s.jobs_stream}", f"{API}.STREAM.MSG.DELETE.{s.jobs_stream}"]
-        sub += [s.weights_published, s.training_finished, f"{s.prefix}.gen.>", "$SRV.>",
-                s.max_deliveries_advisory(s.jobs_stream, s.rollout_consumer),
-                *(s.max_deliveries_advisory(s.jobs_stream, s.rollout_lane_consumer(t)) for t in TASKS)]
+        pub += [*_message_get(s.jobs_stream), f"{API}.STREAM.MSG.DELETE.{s.jobs_stream}"]
+        sub += [s.weights_published, s.training_finished, s.policy_entry, f"{s.prefix}.gen.>", "$SRV.>",
+                s.max_deliveries_advisory(s.jobs_stream, "*")]
     elif role == "env":
         sub += [f"{s.prefix}.env.>", "$SRV.>"]
     return Permissions(publish=tuple(pub), subscribe=tuple(sub))

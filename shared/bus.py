@@ -10,6 +10,7 @@ import os
 import socket
 import ssl
 import time
+import uuid
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -376,7 +377,7 @@ async def heartbeat_loop(js: JetStreamContext, subjects: Subjects, role: str, re
         try:
             beat = Heartbeat(role=role, replica_id=replica_id, pid=os.getpid(), host=socket.gethostname(),
                              started_at=started, info=dict(info))
-            await kv.put(replica_id, encode(beat))
+            await kv.put(Subjects.registry_key(role, replica_id), encode(beat))
         except Exception as exc:
             log.warning("heartbeat_failed", error=repr(exc))
         await asyncio.sleep(every_s)
@@ -436,8 +437,10 @@ async def read_object(js: JetStreamContext, bucket: str, name: str, window_bytes
         hasher.update(buf)
     elif info.size:
         stream, subject = Subjects.object_stream(bucket), Subjects.object_chunks(bucket, info.nuid)
+        # named: the API subject then carries the consumer's name and filter, which is all a reader's permission
+        # allows (CONSUMER.CREATE.<stream>.*.<chunks>, shared/auth.py), so it can touch no other consumer
         consumer = await js.add_consumer(stream, ConsumerConfig(
-            ack_policy=AckPolicy.NONE, deliver_policy=DeliverPolicy.ALL, filter_subject=subject,
+            name=uuid.uuid4().hex, ack_policy=AckPolicy.NONE, deliver_policy=DeliverPolicy.ALL, filter_subject=subject,
             inactive_threshold=30.0, mem_storage=True, num_replicas=1))
         plan = ChunkPlan(api_prefix=js._prefix, stream=stream, consumer=consumer.name, subject=subject,
                          chunks=info.chunks, size=info.size, window_bytes=window_bytes)

@@ -30,15 +30,14 @@ async def registry_ages(config: str | None, host: str) -> dict[str, float]:
     subjects = Subjects(cfg.nats.prefix)
     nc = await connect(cfg.nats, "healthcheck")
     try:
-        kv = await nc.jetstream().key_value(subjects.registry_kv)
-        try:
-            keys = await kv.keys()
-        except Exception:  # nats-py raises NoKeysError on an empty bucket
-            return {}
+        # no consumer on the registry (every service writes it, and a consumer's deliveries could be pointed
+        # anywhere: shared/auth.py): its keys from the stream's subjects, each entry by a (JSON) message get
+        js, stream = nc.jetstream(), f"KV_{subjects.registry_kv}"
+        info = await js.stream_info(stream, subjects_filter=subjects.registry_entry_prefix + ">")
         ages = {}
-        for key in keys:
+        for subject in info.state.subjects or {}:
             try:
-                beat = decode((await kv.get(key)).value or b"", Heartbeat)
+                beat = decode((await js.get_msg(stream, subject=subject)).data or b"", Heartbeat)
             except Exception:
                 continue
             # an env replica still building its task data heartbeats, but does not serve yet

@@ -370,12 +370,13 @@ class WeightsAnnouncement(Message, tag="weights", kw_only=True):
 
 
 class Heartbeat(Message, tag="heartbeat", kw_only=True):
-    """A replica's entry in the registry KV (key: its replica id), rewritten every few seconds."""
+    """A replica's entry in the registry KV (key: ``<user role>.<replica id>``, e.g. ``env.<id>``), rewritten every
+    few seconds."""
 
     role: str
     """What it is: ``trainer``, ``controller``, ``rollout``, ``env-<task>``."""
     replica_id: str
-    """Its id, the same as its key."""
+    """Its id, the same as its key's last token."""
     pid: int
     """Its process id on ``host``."""
     host: str

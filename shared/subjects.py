@@ -22,6 +22,11 @@ def check_token(value: str, what: str) -> str:
     return value
 
 
+def user_role(role: str) -> str:
+    """The NATS user role a service role belongs to: ``env-db`` (a task's env) is an ``env``."""
+    return role.split("-", 1)[0]
+
+
 @dataclass(frozen=True)
 class Subjects:
     """All names for one run namespace. ``Subjects("jetrl")`` is the default run."""
@@ -153,9 +158,30 @@ class Subjects:
     policy_version_key: str = "version"
 
     @property
+    def policy_entry(self) -> str:
+        """The subject a policy-KV write of ``policy_version_key`` is published on (NATS ADR-8): readers
+        subscribe to it instead of watching the bucket through a consumer of their own."""
+        return f"$KV.{self.policy_kv}.{self.policy_version_key}"
+
+    @property
     def registry_kv(self) -> str:
         """KV bucket of live replicas, one key per replica, expiring when heartbeats stop."""
         return f"{self.prefix}-registry"
+
+    @staticmethod
+    def registry_key(role: str, replica_id: str) -> str:
+        """A replica's registry key, ``<user role>.<replica_id>`` (``env.env-db-host-12`` for role ``env-db``): the
+        role is read from the key, which that role's users alone may write (shared/auth.py), never from the
+        heartbeat's body."""
+        return f"{user_role(check_token(role, 'role'))}.{check_token(replica_id, 'replica id')}"
+
+    def registry_entries(self, role: str = "*", replica_id: str = "*") -> str:
+        """The subjects registry writes are published on (``$KV.<bucket>.<role>.<replica_id>``)."""
+        return f"{self.registry_entry_prefix}{role}.{replica_id}"
+
+    @property
+    def registry_entry_prefix(self) -> str:
+        return f"$KV.{self.registry_kv}."
 
     @property
     def weights_bucket(self) -> str:

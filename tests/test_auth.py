@@ -26,6 +26,7 @@ from services.controller.controller import Controller
 from shared.auth import ROLES, generate_passwords, inbox_prefix, role_permissions, server_authorization
 from shared.bus import connect, declare_topology, read_object
 from shared.config import JetRLConfig, NatsConfig, save_config
+from shared.consumers import declare_durables
 from shared.messages import MetricsReport, TrainingFinished, Trajectory, TurnInfo, WeightsAnnouncement, decode, encode
 from shared.natsd import EmbeddedNats
 from shared.subjects import Subjects
@@ -84,6 +85,9 @@ async def admin(auth_server: tuple[str, Path, Path]) -> AsyncIterator[Client]:
     cfg = role_cfg(auth_server)
     nc = await connect(cfg, "pytest-admin", role="admin")
     await declare_topology(nc.jetstream(), Subjects(PREFIX), cfg, role="admin")
+    run = JetRLConfig()
+    run.nats = cfg
+    await declare_durables(nc.jetstream(), Subjects(PREFIX), run)  # no service role may create them
     yield nc
     js = nc.jetstream()
     for stream in await js.streams_info():  # every test starts from empty streams and buckets
@@ -270,8 +274,8 @@ async def test_a_rollout_cannot_publish_weights_jobs_or_write_the_weights(
 async def test_an_observer_reads_the_trajectory_stream_but_cannot_publish_or_steal(
         auth_server: tuple[str, Path, Path], admin: Client) -> None:
     s, js = Subjects(PREFIX), admin.jetstream()
-    trainer = await as_role(auth_server, "trainer")  # its durable consumer exists, as in a run
-    await trainer.jetstream().pull_subscribe(s.traj(">"), durable=s.trainer_consumer, stream=s.traj_stream)
+    trainer = await as_role(auth_server, "trainer")  # its durable consumer exists (the admin's), as in a run
+    await trainer.jetstream().pull_subscribe_bind(durable=s.trainer_consumer, stream=s.traj_stream)
     errors = Errors()
     observer = await as_role(auth_server, "observer", errors)
     live = await observer.subscribe(s.traj(">"))
@@ -280,8 +284,8 @@ async def test_an_observer_reads_the_trajectory_stream_but_cannot_publish_or_ste
 
     assert decode((await live.next_msg(timeout=2)).data, Trajectory).episode_id == "e7"  # live
     ojs = observer.jetstream(timeout=1.0)
-    stored = await ojs.subscribe(s.traj(">"), ordered_consumer=True)  # the stream from its start
-    assert decode((await stored.next_msg(timeout=2)).data, Trajectory).episode_id == "e7"
+    stored = await ojs.pull_subscribe(s.traj(">"), stream=s.traj_stream)  # an ephemeral reader it names
+    assert decode((await stored.fetch(1, timeout=2))[0].data, Trajectory).episode_id == "e7"
     await stored.unsubscribe()
 
     with pytest.raises(nats.errors.TimeoutError):

@@ -98,6 +98,7 @@ async def test_dashboard_json_from_real_streams(nc, config, subjects) -> None:
         for step in (1, 2):
             await publish_metrics(nc, subjects, "trainer", "trainer-x", step, {
                 "task/db/success": 0.5 * step, "task/db/reward": 0.25 * step, "train/step_s": 1.0,
+                "train/staleness_hist/3": float(step), "train/staleness_hist/7": 2.0,
                 "task/db/adv_mean_raw": 0.1, "task/db/adv_std_raw": 0.9,
                 **{f"task/db/adv_hist/{i}": float(i) for i in range(10)}})
         await publish_metrics(nc, subjects, "rollout", "rollout-x", 2, {"rollout/episodes_done": 5.0})
@@ -120,7 +121,9 @@ async def test_dashboard_json_from_real_streams(nc, config, subjects) -> None:
             assert len(d["busy"]) == 1 and 0 < d["busy"][0][1] <= 1.0
             assert d["tasks"] == ["db", "kg"]
             # staleness on arrival against policy v3: db turns 2, 1, 0 behind; kg 3 and 0
-            assert d["staleness"]["counts"][:4] == [2, 1, 1, 1] and sum(d["staleness"]["counts"]) == 5
+            assert d["staleness"]["arrival"][:4] == [2, 1, 1, 1] and sum(d["staleness"]["arrival"]) == 5
+            # what the trainer trained on, summed over its steps' reports: 1 + 2 turns 3 behind, 2 + 2 turns 7
+            assert d["staleness"]["trained"] == [0, 0, 0, 3, 0, 0, 0, 4, 0, 0, 0]
             assert d["advantages"]["db"]["hist"] == [float(i) for i in range(10)]
             assert d["invalid_tool_calls"]["kg"]["rate"] == 0.5 and d["invalid_tool_calls"]["db"]["rate"] == 0.0
             assert d["dlq"] == {"rollout": 1, "trainer": 2}
@@ -178,6 +181,65 @@ def _chromium() -> str | None:
 def _get(url: str) -> dict:
     with urllib.request.urlopen(url, timeout=5) as resp:
         return json.load(resp)
+
+
+async def test_panels_in_a_browser_show_what_was_trained_and_why_the_run_failed(nc, config, subjects) -> None:
+    """Chromium on the page, the controller in this process on real NATS streams, behind its token: the
+    staleness panel shows what the trainer trained on (7 versions behind) beside what arrived (0), a failed
+    run is a red pill with its reason in full, an env replica still building says how far it is."""
+    browser_path = _chromium()
+    if browser_path is None:
+        pytest.skip("no chromium on this machine (apt-get install chromium; `make system-deps` does it as root)")
+    playwright_api = pytest.importorskip("playwright.async_api", reason="PyPI playwright is not installed")
+    js = nc.jetstream()
+    controller = Controller(nc, js, subjects, config, "controller-test")
+    await controller.follow_metrics_and_weights()
+    building = {"task": "kg", "state": "building", "build": "kg test questions", "percent": 43.0}
+    jobs = [asyncio.create_task(c) for c in (
+        controller.track_trajectories(), controller.watch_replicas(every_s=0.2),
+        heartbeat_loop(js, subjects, "env-kg", "env-kg-test", building, every_s=0.2))]
+    try:
+        controller.policy_version = 9
+        # a trainer-bound run: episodes arrive fresh (played with v9), the trainer trains on them 7 versions on
+        await js.publish(subjects.traj("db"), encode(traj("e-db", "db", 1.0, [9, 9])), headers={"Nats-Msg-Id": "e-db"})
+        await publish_metrics(nc, subjects, "trainer", "trainer-x", 2, {
+            "train/step_s": 1.0, "train/staleness_mean": 7.0, "train/staleness_hist/7": 5.0})
+        reason = "env service for task 'kg' did not answer within 120s (controller.env_wait_s)"
+        controller.fail(RuntimeError(reason))
+        for _ in range(50):
+            await asyncio.sleep(0.1)
+            if controller.finished and controller.board.trainer_rows and controller.replicas:
+                break
+        async with served(create_app(controller, "tok")) as client, playwright_api.async_playwright() as pw:
+            browser = await pw.chromium.launch(executable_path=browser_path, headless=True,
+                                               args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"])
+            page = await browser.new_page(viewport={"width": 1400, "height": 1200})
+            errors: list[str] = []
+            page.on("pageerror", lambda exc: errors.append(str(exc)))
+            await page.goto(f"{client.base_url}/dashboard?token=tok")
+            await page.wait_for_selector("#chart-staleness svg", state="attached", timeout=20000)
+            trained = await page.eval_on_selector_all("#chart-staleness rect title", "ts => ts.map(t => t.textContent)")
+            arrival = await page.eval_on_selector_all("#chart-staleness-arrival rect title",
+                                                      "ts => ts.map(t => t.textContent)")
+            assert "7: 5" in trained and "0: 0" in trained, trained
+            assert "0: 2" in arrival and "7: 0" in arrival, arrival
+            pill = await page.query_selector("#run-state")
+            assert await pill.get_attribute("class") == "pill pill-bad" and (await pill.inner_text()).startswith("failed")
+            color = await page.eval_on_selector("#run-state", "e => getComputedStyle(e).backgroundColor")
+            assert color == "rgb(198, 40, 40)"  # red, not the grey of a running run
+            assert await page.inner_text("#run-problem") == f"The run failed: {reason}"
+            await page.wait_for_selector("table.replicas tr[data-role='env-kg']", timeout=20000)
+            row = await page.eval_on_selector("table.replicas tr[data-role='env-kg']",
+                                              "r => [...r.cells].map(c => c.innerText)")
+            assert row[-1] == "building, kg test questions 43 %", row
+            assert not errors, errors
+            await browser.close()
+    finally:
+        for job in jobs:
+            job.cancel()
+        await asyncio.gather(*jobs, return_exceptions=True)
+        if controller._failure_announcer is not None:
+            controller._failure_announcer.cancel()
 
 
 @pytest.mark.slow

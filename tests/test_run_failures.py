@@ -51,7 +51,7 @@ async def test_the_controller_waits_for_an_env_that_is_building(nc, config, subj
     async def record() -> None:
         while True:
             try:
-                seen.append(decode((await kv.get("env-db-test")).value, Heartbeat).info)
+                seen.append(decode((await kv.get(subjects.registry_key("env-db", "env-db-test"))).value, Heartbeat).info)
             except Exception:
                 pass
             await asyncio.sleep(0.2)

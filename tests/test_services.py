@@ -147,6 +147,8 @@ async def test_trainer_step_changes_the_policy_and_the_engine_loads_it(nc, confi
     before = {k: v.clone() for k, v in model.state_dict().items()}
     stats = await trainer.train_step([group])
     assert stats["task/db/success"] == 0.5 and stats["train/tokens"] == 6
+    # what the dashboard's "staleness of trained turns" shows: both turns trained at the version that made them
+    assert stats["train/staleness_hist/0"] == 2.0 and stats["train/staleness_mean"] == 0.0
     assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
     # The rollout side picks the new version up from the KV entry and the object store.
     worker = RolloutWorker(nc, nc.jetstream(), subjects, config.rollout, engine, tokenizer, "rollout-test")
@@ -386,3 +388,36 @@ async def test_a_batch_without_signal_leaves_the_weights_alone(nc, config, subje
         stats = trainer._optimise(batch(rewards))
         assert stats["train/skipped_update"] == 1.0 and stats["train/grad_norm"] == 0.0
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+async def test_the_pipeline_demos_steps_without_signal_change_the_weights_they_version(nc, config, subjects,
+                                                                                     model_path, tmp_path) -> None:
+    """configs/pipeline.toml: the untrained model's groups all fail (no policy gradient), yet every step is
+    published as a new policy version; each one must name new weights (weight decay moves them), not the
+    initial model again under another number. Nothing is learned, and the figures say so."""
+    import hashlib
+    from pathlib import Path
+
+    from shared.config import load_config
+
+    demo = load_config(Path(__file__).resolve().parent.parent / "configs" / "pipeline.toml", environ={})
+    model = load_model(model_path)  # the demo's model: "tiny"
+
+    def weights_digest() -> str:
+        h = hashlib.sha256()
+        for value in model.state_dict().values():
+            h.update(value.detach().contiguous().numpy().tobytes())
+        return h.hexdigest()
+
+    trainer = Trainer(nc, nc.jetstream(), subjects, demo.trainer, model, tmp_path, "trainer-demo")
+    digests, losses = [weights_digest()], []
+    for step in (1, 2):
+        group = Group(f"g{step}", 2)
+        for i in range(2):
+            traj = make_traj(f"s{step}e{i}", f"g{step}", 0.0, [1, 2, 3, 4, 10 + i, 11, 12], [-1.0, -1.0, -1.0])
+            group.items[traj.episode_id] = (traj, _NoAck())
+        stats = await trainer.train_step([group])
+        digests.append(weights_digest())
+        losses.append(stats["train/loss"])
+    assert trainer.policy_version == 2 and len(set(digests)) == 3, digests
+    assert losses == [0.0, 0.0]

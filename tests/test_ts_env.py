@@ -227,7 +227,7 @@ async def test_ledger_env_speaks_the_protocol(auth_server: AuthServer, admin: Cl
             "health": subjects.env_health("ledger"), "interact": subjects.env_interact("ledger", "ledger-a"),
             "cancel": subjects.env_cancel("ledger", "ledger-a"), "oracle": subjects.env_oracle("ledger", "ledger-a")}
         kv = await admin.jetstream().key_value(subjects.registry_kv)
-        beat = decode((await kv.get("ledger-a")).value, Heartbeat)
+        beat = decode((await kv.get(Subjects.registry_key("env-ledger", "ledger-a"))).value, Heartbeat)
         assert (beat.role, beat.replica_id, beat.pid, beat.info) == ("env-ledger", "ledger-a", replica.pid,
                                                                      {"task": "ledger", "max_sessions": 64})
         assert time.time() - beat.ts < 5

@@ -13,7 +13,7 @@ import uvicorn
 
 from services.controller.api import create_app
 from services.controller.controller import Controller
-from shared.auth import controller_token
+from shared.auth import controller_token, manages_topology
 from shared.bus import connect, declare_topology, heartbeat_loop, replica_name
 from shared.config import from_argv
 from shared.lifecycle import close_connection, exit_code, install_stop, stop_if_connection_closed
@@ -44,6 +44,7 @@ async def main(argv: list[str]) -> None:
         js = nc.jetstream()
         await declare_topology(js, subjects, cfg.nats, cfg.controller.heartbeat_ttl_s, role="controller")
         controller = Controller(nc, js, subjects, cfg, replica_id)
+        controller.creates_durables = manages_topology(cfg.nats, "controller")
         await controller.follow_metrics_and_weights()
         server = uvicorn.Server(uvicorn.Config(create_app(controller, controller_token(cfg.controller)), log_level="warning", lifespan="off"))
         for job in (server.serve(sockets=[sock]), controller.track_trajectories(), controller.watch_replicas(),

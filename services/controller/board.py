@@ -123,7 +123,8 @@ class RunBoard:
         self.trainer_rows: deque[dict[str, Any]] = deque(maxlen=max_steps)  # one per trainer step
         self.replica_versions: dict[str, dict[str, Any]] = {}  # replica id -> {role, version, ts}
         self.quality: dict[str, TaskQuality] = defaultdict(TaskQuality)
-        self.staleness = [0] * STALENESS_BINS
+        self.staleness = [0] * STALENESS_BINS  # policy turns on arrival: versions behind the newest policy
+        self.trained_staleness = [0] * STALENESS_BINS  # turns the trainer trained on, behind the policy it trained
         self.finished_log: deque[tuple[float, int]] = deque(maxlen=100000)  # (ts, generated tokens)
         self.rates: deque[dict[str, float]] = deque(maxlen=1800)  # sampled every few seconds
         self.dlq: dict[str, int] = {}
@@ -155,6 +156,9 @@ class RunBoard:
             if self.trainer_rows and self.trainer_rows[-1]["step"] >= report.step:
                 return  # a restarted trainer repeating a step, or a late duplicate
             self.trainer_rows.append(row)
+            for key, n in report.values.items():
+                if key.startswith("train/staleness_hist/") and key.rsplit("/", 1)[1].isdigit():
+                    self.trained_staleness[min(int(key.rsplit("/", 1)[1]), STALENESS_BINS - 1)] += int(n)
 
     def on_action(self, event: ActionEvent) -> None:
         if event.episode_id in self.episodes:
@@ -346,8 +350,9 @@ class RunBoard:
             "series": series,
             "busy": busy, "busy_overall": busy_overall,
             "rates": list(self.rates)[-MAX_POINTS:],
+            # what the trainer trained on (its step reports), and, for comparison, what arrived
             "staleness": {"bins": [str(i) for i in range(STALENESS_BINS - 1)] + [f"{STALENESS_BINS - 1}+"],
-                          "counts": self.staleness},
+                          "trained": self.trained_staleness, "arrival": self.staleness},
             "advantages": advantages,
             "invalid_tool_calls": invalid,
             "replicas": replicas,

@@ -33,18 +33,18 @@ import structlog
 from nats.aio.client import Client
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js import JetStreamContext
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
 
 from services.controller.board import RunBoard
 from services.controller.report import eval_report
+from services.controller.sources import Replicas, checked_report
 from shared.bus import TRANSIENT, decode_or_dead_letter, publish_retrying
 from shared.config import JetRLConfig
+from shared.consumers import bind_durable, controller_consumer
 from shared.envapi import EnvClient, EnvError
 from shared.messages import (
     BadMessage,
     EpisodeJob,
-    Heartbeat,
     MetricsReport,
     RunControl,
     TrainingFinished,
@@ -130,6 +130,9 @@ class Controller:
         self.groups_published = 0
         self._capacity = asyncio.Event()
         self.replicas: list[dict[str, Any]] = []
+        self.registry = Replicas(subjects, cfg.controller.heartbeat_ttl_s)
+        self.refused_reports = 0  # metrics whose body names another role than their subject
+        self.creates_durables = True  # an open server; with per-role users the admin makes them (shared/consumers.py)
         self._backlog = 0  # the last reading of the trainer's backlog (see backlog_full)
         self._backlog_read_at = -1.0
         self._finished_at_read = 0
@@ -384,11 +387,8 @@ class Controller:
 
     # ------------------------------------------------------------------ lifecycle and metrics
     async def track_trajectories(self) -> None:
-        config = ConsumerConfig(durable_name=self.subjects.controller_consumer, ack_policy=AckPolicy.EXPLICIT,
-                                deliver_policy=DeliverPolicy.ALL, filter_subject=self.subjects.traj(">"),
-                                max_ack_pending=-1)
-        sub = await self.js.pull_subscribe(self.subjects.traj(">"), durable=self.subjects.controller_consumer,
-                                           stream=self.subjects.traj_stream, config=config)
+        sub = await bind_durable(self.js, self.subjects.traj_stream, controller_consumer(self.subjects),
+                                 may_create=self.creates_durables)
         while True:
             try:
                 msgs = await sub.fetch(128, timeout=1.0)
@@ -429,10 +429,10 @@ class Controller:
 
     async def follow_metrics_and_weights(self) -> None:
         async def on_metrics(msg: Any) -> None:
-            try:
-                report = decode(msg.data, MetricsReport)
-            except BadMessage as exc:
-                log.warning("bad_metrics", reason=exc.reason)
+            report, why = checked_report(self.subjects, msg)  # the role is the subject's, never the body's
+            if report is None:
+                self.refused_reports += 1
+                log.warning("metrics_refused", subject=msg.subject, reason=why)
                 return
             self.latest_metrics[f"{report.role}/{report.replica_id}"] = report
             self.board.on_metrics(report)
@@ -462,30 +462,20 @@ class Controller:
         await self.nc.subscribe(self.subjects.training_finished, cb=on_finished)
 
     async def watch_replicas(self, every_s: float = 2.0) -> None:
-        """Keep ``self.replicas`` fresh from the registry KV (the HTTP handlers never touch NATS)."""
-        while True:
-            try:
+        """Keep ``self.replicas`` fresh from the registry's writes (the HTTP handlers never touch NATS)."""
+        sub = await self.registry.follow(self.nc)
+        try:
+            while True:
                 self.replicas = await self.read_replicas()
-            except Exception as exc:
-                log.warning("registry_read_failed", error=repr(exc))
-            await asyncio.sleep(every_s)
+                await asyncio.sleep(every_s)
+        finally:
+            try:
+                await sub.unsubscribe()
+            except Exception as exc:  # the connection is closing
+                log.debug("registry_unsubscribe", error=repr(exc))
 
     async def read_replicas(self) -> list[dict[str, Any]]:
-        kv = await self.js.key_value(self.subjects.registry_kv)
-        out: list[dict[str, Any]] = []
-        try:
-            keys = await kv.keys()
-        except Exception:  # nats-py raises NoKeysError on an empty bucket
-            return out
-        for key in keys:
-            try:
-                entry = await kv.get(key)
-                beat = decode(entry.value or b"", Heartbeat)
-            except Exception:
-                continue
-            out.append({"role": beat.role, "replica_id": beat.replica_id, "host": beat.host, "pid": beat.pid,
-                        "age_s": round(time.time() - beat.ts, 2), "info": beat.info})
-        return sorted(out, key=lambda r: (r["role"], r["replica_id"]))
+        return self.registry.rows()
 
     def status(self) -> dict[str, Any]:
         tasks = {}
@@ -506,6 +496,8 @@ class Controller:
             "episodes_published": sum(b.published for b in self.books.values()),
             "episodes_finished": len(self.finished), "episodes_inflight": len(self.inflight),
             "duplicate_trajectories": self.duplicates, "episodes_lost": self.lost, "groups_published": self.groups_published,
+            # metrics or heartbeats whose body named another source than their subject (services/controller/sources.py)
+            "refused_reports": self.refused_reports + self.registry.refused,
             "uptime_s": round(time.time() - self.started_at, 1), "tasks": tasks,
             "trainer": next(iter(trainer.values()), {}), "replicas": self.replicas,
             "eval_planned": self.eval_planned,

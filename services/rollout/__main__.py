@@ -17,6 +17,7 @@ import uvicorn
 from services.rollout.continuous import ContinuousEngine
 from services.rollout.engine import Engine, HFEngine, QueuedEngine
 from services.rollout.worker import RolloutWorker
+from shared.auth import manages_topology
 from shared.bus import connect, declare_topology, heartbeat_loop, replica_name
 from shared.config import JetRLConfig, from_argv
 from shared.lifecycle import close_connection, exit_code, forward_signals, install_stop, run, stop_if_connection_closed
@@ -92,6 +93,7 @@ async def main(argv: list[str], handoff: EngineHandoff | None = None) -> None:
         await declare_topology(js, subjects, cfg.nats, cfg.controller.heartbeat_ttl_s, role="rollout")
         worker = RolloutWorker(nc, js, subjects, cfg.rollout, engine, tokenizer, replica_id, model_path,
                                tasks=list(cfg.controller.tasks))
+        worker.creates_durables = manages_topology(cfg.nats, "rollout")
         if worker.chat_api is not None:
             stack.push_async_callback(worker.chat_api.close)
         jobs = [worker.report_metrics(), heartbeat_loop(js, subjects, "rollout", replica_id, {

@@ -30,7 +30,6 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js import JetStreamContext
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import BadRequestError
 from nats.micro import add_service
 from nats.micro.request import Request
@@ -48,6 +47,7 @@ from shared.bus import (
 )
 from shared.chat import parse_assistant, render_observation, render_opening, render_tool_call
 from shared.config import RolloutConfig
+from shared.consumers import JOB_MAX_DELIVER, bind_durable, job_consumer, job_consumer_name, job_lanes
 from shared.envapi import ERROR_CODE_HEADER, ERROR_HEADER, EnvClient, EnvError, episode_seed
 from shared.messages import (
     ActionEvent,
@@ -68,7 +68,7 @@ from shared.subjects import Subjects
 
 log = structlog.get_logger()
 
-MAX_DELIVER = 5
+MAX_DELIVER = JOB_MAX_DELIVER
 OVERLAPPING_CONSUMER = 10100  # JetStream: "filtered consumer not unique on workqueue stream"
 ORACLE_ENGINE_ID = "oracle"
 ORACLE_POLICY_VERSION = -1  # oracle turns come from no policy: for SFT, never for RL ratios
@@ -121,31 +121,21 @@ class RolloutWorker:
         self._weights_lock = asyncio.Lock()
         self._weights_loaded = asyncio.Condition()  # notified after each load (synchronous mode waits on it)
         self._pool_tasks: set[asyncio.Task[None]] = set()
+        self.creates_durables = True  # an open server; with per-role users the admin makes them (shared/consumers.py)
         self.acks = Acker("job_ack")  # confirmed in the background, retried: a stored trajectory's job is acked
 
     # ------------------------------------------------------------------ jobs
     def lanes(self) -> dict[str, int]:
         """Lane -> its slots: one per task with ``task_concurrency``, else ``">"`` (every task) alone."""
-        caps = self.cfg.task_concurrency
-        if not caps:
-            return {">": self.cfg.concurrency}
-        if not self.tasks:
-            raise ValueError("rollout.task_concurrency needs the run's tasks (controller.tasks)")
-        return {task: caps.get(task, caps.get("*", self.cfg.concurrency)) for task in self.tasks}
+        return job_lanes(self.cfg, self.tasks)
 
     def lane_consumer(self, lane: str) -> str:
-        return self.subjects.rollout_consumer if lane == ">" else self.subjects.rollout_lane_consumer(lane)
+        return job_consumer_name(self.subjects, lane)
 
     async def subscribe_jobs(self, lane: str = ">") -> JetStreamContext.PullSubscription:
         """The durable consumer of one lane (``">"``: every task's jobs), shared by every replica."""
-        consumer = self.lane_consumer(lane)
-        config = ConsumerConfig(
-            durable_name=consumer, ack_policy=AckPolicy.EXPLICIT,
-            ack_wait=self.cfg.job_ack_wait_s, max_deliver=MAX_DELIVER, deliver_policy=DeliverPolicy.ALL,
-            max_ack_pending=-1, filter_subject=self.subjects.jobs(lane),
-        )
-        return await self.js.pull_subscribe(self.subjects.jobs(lane), durable=consumer,
-                                            stream=self.subjects.jobs_stream, config=config)
+        return await bind_durable(self.js, self.subjects.jobs_stream, job_consumer(self.subjects, self.cfg, lane),
+                                  may_create=self.creates_durables)
 
     async def run(self, stop: asyncio.Event) -> None:
         """Keep every lane's slots busy; fetch a job only when a slot is free (no hoarding)."""
@@ -502,10 +492,11 @@ class RolloutWorker:
 
     # ------------------------------------------------------------------ weights
     async def follow_weights(self, poll_s: float = 5.0) -> None:
-        """Watch the policy KV (the trainer writes it before announcing) and load the newest version
-        only: versions that came while one loaded are skipped. Watching the KV, rather than reading it
-        and then subscribing, cannot miss a version published in between; a slow poll of the same key
-        covers a watch that a NATS restart cut."""
+        """Follow the policy KV (the trainer writes it before announcing) and load the newest version only:
+        versions that came while one loaded are skipped. Each write of the key is published on its subject
+        (``Subjects.policy_entry``), which we subscribe to before reading the key, so no version published in
+        between is missed; a slow poll of the key covers writes a NATS restart cut off. No consumer of our
+        own on the bucket: nothing a replica could point elsewhere (shared/auth.py)."""
         newest: list[WeightsAnnouncement] = []
         fresh = asyncio.Event()
         kv = await self.js.key_value(self.subjects.policy_kv)
@@ -522,18 +513,13 @@ class RolloutWorker:
                 newest[:] = [note]
                 fresh.set()
 
-        async def watch() -> None:
-            while True:
-                try:
-                    watcher = await kv.watch(self.subjects.policy_version_key)
-                    async for entry in watcher:
-                        if entry is not None:
-                            offer(entry.value, "watch")
-                except asyncio.CancelledError:
-                    raise
-                except Exception as exc:  # the broker went away: watch again
-                    log.info("policy_watch_restart", error=type(exc).__name__)
-                    await asyncio.sleep(1.0)
+        async def on_entry(msg: Msg) -> None:
+            if msg.subject != self.subjects.policy_entry:  # only the one key is the policy's
+                log.warning("policy_entry_refused", subject=msg.subject)
+                return
+            offer(msg.data, "live")
+
+        live = await self.nc.subscribe(self.subjects.policy_entry, cb=on_entry)
 
         async def poll() -> None:
             while True:
@@ -543,7 +529,7 @@ class RolloutWorker:
                     log.debug("policy_poll", detail=type(exc).__name__)
                 await asyncio.sleep(poll_s)
 
-        helpers = [asyncio.create_task(watch()), asyncio.create_task(poll())]
+        helpers = [asyncio.create_task(poll())]
         try:
             while True:
                 await fresh.wait()
@@ -559,6 +545,10 @@ class RolloutWorker:
         finally:
             for task in helpers:
                 task.cancel()
+            try:
+                await live.unsubscribe()
+            except Exception as exc:  # the connection is closing
+                log.debug("policy_unsubscribe", error=repr(exc))
 
     async def _load(self, note: WeightsAnnouncement) -> WeightsLoadTimes | None:
         """Load one announced version into the engine; its times, or None when it was skipped."""

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from services.trainer.trainer import Trainer
+from shared.auth import manages_topology
 from shared.bus import connect, declare_topology, heartbeat_loop, replica_name
 from shared.config import from_argv
 from shared.lifecycle import close_connection, exit_code, install_stop, stop_if_connection_closed
@@ -51,6 +52,7 @@ async def main(argv: list[str]) -> None:
         js = nc.jetstream()
         await declare_topology(js, subjects, cfg.nats, cfg.controller.heartbeat_ttl_s, role="trainer")
         trainer = trainer_cls(nc, js, subjects, cfg.trainer, model, run_dir, replica_id)
+        trainer.creates_durables = manages_topology(cfg.nats, "trainer")
         trainer.resume()  # a restarted trainer continues from its newest checkpoint
         await trainer.adopt_announced_version()  # versions only go up, across restarts and trainers
         beat = asyncio.create_task(heartbeat_loop(js, subjects, "trainer", replica_id, {"steps": cfg.trainer.steps}))

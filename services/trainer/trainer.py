@@ -14,7 +14,7 @@ import json
 import math
 import shutil
 import time
-from collections import OrderedDict, defaultdict
+from collections import Counter, OrderedDict, defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -27,7 +27,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js import JetStreamContext
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, ObjectMeta, ObjectMetaOptions
+from nats.js.api import ObjectMeta, ObjectMetaOptions
 
 from services.trainer import rl
 from services.trainer.data_parallel import RankShare, split_contiguous
@@ -41,6 +41,7 @@ from services.trainer.packing import (
 )
 from shared.bus import dead_letter, decode_or_dead_letter, publish_metrics, retrying
 from shared.config import TrainerConfig
+from shared.consumers import bind_durable, trainer_consumer
 from shared.digest import digest
 from shared.lm import PackedLM
 from shared.messages import EpisodeStatus, Trajectory, WeightsAnnouncement, decode, encode
@@ -58,6 +59,7 @@ from shared.subjects import Subjects
 log = structlog.get_logger()
 
 FLAT_GROUPS_WARNING = 16  # filter_flat_groups: a warning every this many groups left out without a step
+STALENESS_BINS = 11  # train/staleness_hist/<k>: trained turns k versions behind, 0..9, and 10 for 10 or more
 
 
 @dataclass
@@ -116,6 +118,7 @@ class Trainer:
                  run_dir: Path, replica_id: str) -> None:
         self.nc, self.js, self.subjects, self.cfg = nc, js, subjects, cfg
         self.run_dir, self.replica_id = run_dir, replica_id
+        self.creates_durables = True  # an open server; with per-role users the admin makes them (shared/consumers.py)
         self.lora = cfg.lora_rank > 0
         self.model = add_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets) if self.lora else model
         self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=cfg.lr,
@@ -246,16 +249,10 @@ class Trainer:
 
     # ------------------------------------------------------------------ intake
     async def subscribe(self) -> JetStreamContext.PullSubscription:
-        config = ConsumerConfig(durable_name=self.subjects.trainer_consumer, ack_policy=AckPolicy.EXPLICIT,
-                                ack_wait=self.cfg.ack_wait_s, max_deliver=self.cfg.max_deliver,
-                                deliver_policy=DeliverPolicy.ALL, max_ack_pending=-1,
-                                filter_subject=self.subjects.traj(">"))
-        try:  # a resumed run's consumer gets today's ack_wait and max_deliver, not the ones it was made with
-            await self.js.add_consumer(self.subjects.traj_stream, config)
-        except Exception as exc:
-            log.warning("trainer_consumer_not_updated", error=repr(exc))
-        return await self.js.pull_subscribe(self.subjects.traj(">"), durable=self.subjects.trainer_consumer,
-                                            stream=self.subjects.traj_stream, config=config)
+        """Bind to the trainer's durable on TRAJ; on an open server create (or update) it first, so a resumed
+        run's consumer gets today's ack_wait and max_deliver (with per-role users the admin does that)."""
+        return await bind_durable(self.js, self.subjects.traj_stream, trainer_consumer(self.subjects, self.cfg),
+                                  may_create=self.creates_durables)
 
     def check(self, traj: Trajectory) -> str | None:
         """What the schema cannot know: token ids inside this model's vocabulary, turn spans in order
@@ -675,10 +672,14 @@ class Trainer:
     def _batch_stats(self, trajs: list[Trajectory]) -> dict[str, float]:
         stats: dict[str, float] = {"train/trajectories": float(len(trajs))}
         stats.update(_task_stats([EpisodeOutcome.of(t) for t in trajs]))
-        staleness = [self.policy_version - turn.policy_version for t in trajs for turn in t.turns]
+        # versions behind the policy being trained, per policy turn trained on (oracle turns, -1, have none)
+        staleness = [self.policy_version - turn.policy_version for t in trajs for turn in t.turns
+                     if turn.policy_version >= 0]
         if staleness:
             stats["train/staleness_mean"] = sum(staleness) / len(staleness)
             stats["train/staleness_max"] = float(max(staleness))
+            for lag, n in Counter(min(lag, STALENESS_BINS - 1) for lag in staleness).items():
+                stats[f"train/staleness_hist/{lag}"] = float(n)  # the dashboard's "staleness of trained turns"
         return stats
 
     # ------------------------------------------------------------------ backend hooks

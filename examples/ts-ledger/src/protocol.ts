@@ -22,7 +22,7 @@ export class Subjects {
   interact(replica: string): string { return `${this.prefix}.env.${this.task}.${replica}.interact`; }
   cancel(replica: string): string { return `${this.prefix}.env.${this.task}.${replica}.cancel`; }
   oracle(replica: string): string { return `${this.prefix}.env.${this.task}.${replica}.oracle`; }
-  registry(replica: string): string { return `$KV.${this.prefix}-registry.${replica}`; }
+  registry(replica: string): string { return `$KV.${this.prefix}-registry.env.${replica}`; }  // key <role>.<replica>
   deadLetter(): string { return `${this.prefix}.dlq.env-${this.task}`; }
 }
 

@@ -149,9 +149,32 @@ function taskSeries(d, metric) {
     .filter((x) => x.points.length);
 }
 
+// the run's state in its pill: red with the reason when the run failed, amber while it waits or cannot be read
+function showState(state) {
+  const pill = document.getElementById("run-state");
+  const kind = /^(failed|unreachable)/.test(state) ? "bad" : /^(waiting|starting)/.test(state) ? "wait"
+    : state === "finished" ? "done" : "ok";
+  pill.textContent = state;
+  pill.title = state;
+  pill.className = `pill pill-${kind}`;
+  pill.dataset.state = state.split(":")[0];
+  const problem = document.getElementById("run-problem");  // the whole reason, where the pill may cut it
+  problem.hidden = kind !== "bad";
+  problem.textContent = kind === "bad" ? (state.startsWith("failed") ? "The run failed: " + state.slice(8) : state) : "";
+}
+
+// an env replica still building its task data says how far it is ("building, kg questions 43 %")
+function replicaNote(r) {
+  const info = r.info || {};
+  if (info.state === "building") {
+    return "building" + (info.build ? ", " + info.build : "") + (info.percent != null ? ` ${Math.round(info.percent)} %` : "");
+  }
+  return info.engine_id ? `${info.engine_id} (${info.engine || "?"}, ${info.kind || "current"})` : "";
+}
+
 function renderDashboard(d) {
   const st = d.status;
-  document.getElementById("run-state").textContent = st.state;
+  showState(st.state);
   document.getElementById("run-version").textContent = `policy v${st.policy_version} / ${st.target_steps} steps`;
   document.getElementById("run-uptime").textContent = `up ${age(st.uptime_s)}`;
   const rate = d.rates.length ? d.rates[d.rates.length - 1] : { episodes_per_s: 0, tokens_per_s: 0 };
@@ -181,7 +204,8 @@ function renderDashboard(d) {
     [{ name: "tokens/s", color: PALETTE[2], points: d.rates.map((r) => [r.ts - t0, r.tokens_per_s]) }], { xLabel: "seconds", xFmt: tFmt });
   lineChart(document.getElementById("chart-step-time"), [{ name: "step s", color: PALETTE[3], points: d.series["train/step_s"] || [] }], {});
   lineChart(document.getElementById("chart-busy"), [{ name: "busy", color: PALETTE[4], points: d.busy }], { yMin: 0, yMax: 1 });
-  barChart(document.getElementById("chart-staleness"), d.staleness.bins, d.staleness.counts, { xLabel: "versions behind" });
+  barChart(document.getElementById("chart-staleness"), d.staleness.bins, d.staleness.trained, { xLabel: "versions behind" });
+  barChart(document.getElementById("chart-staleness-arrival"), d.staleness.bins, d.staleness.arrival, { xLabel: "versions behind" });
 
   const inv = Object.entries(d.invalid_tool_calls);
   document.getElementById("table-invalid").replaceChildren(table(["task", "turns", "invalid", "rate", "recent 200"],
@@ -194,7 +218,7 @@ function renderDashboard(d) {
   document.getElementById("table-replicas").replaceChildren(table(
     ["role", "replica", "host", "heartbeat age", "policy version", "engine"],
     d.replicas.map((r) => [r.role, r.replica_id, r.host, age(r.age_s), r.policy_version ?? "–",
-      r.info && r.info.engine_id ? `${r.info.engine_id} (${r.info.engine || "?"}, ${r.info.kind || "current"})` : ""]),
+      replicaNote(r)]),
     { numeric: [3, 4], class: "replicas", rowAttrs: (i) => ({ "data-role": d.replicas[i].role }) }));
   const dlq = Object.entries(d.dlq);
   document.getElementById("table-dlq").replaceChildren(table(["service", "dead letters"], dlq, { numeric: [1], empty: "none" }));
@@ -205,7 +229,7 @@ async function refreshDashboard() {
   try {
     renderDashboard(await getJSON("/api/dashboard"));
   } catch (err) {
-    document.getElementById("run-state").textContent = "unreachable: " + err.message;
+    showState("unreachable: " + err.message);
   }
 }
 
