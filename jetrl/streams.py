@@ -248,16 +248,16 @@ def open_run(run_dir: str | Path, overrides: Sequence[str] = ()) -> Iterator[Run
     if not url_file.is_file() or not config_file.is_file():
         raise CliError(f"{run_dir} is not a run directory (no nats.url or config.toml): give --run-dir "
                                 "of a jetrl up / sft / eval run, or --url and --prefix")
-    url, prefix = url_file.read_text().split()[:2]
     cfg = load_config(config_file, list(overrides))
-    cfg.nats.prefix = prefix
+    url, *rest = url_file.read_text().split()
+    cfg.nats.prefix = rest[0] if rest else cfg.nats.prefix
     store = run_dir / "nats"
     if _listening(url) or not (store / "jetstream").is_dir():
         yield RunAccess(url, cfg.nats)
         return
     authorization = ""
     if cfg.nats.auth_dir:  # the run's users, read back from their password files
-        authorization = server_authorization(Subjects(prefix), generate_passwords(cfg.nats.auth_dir))
+        authorization = server_authorization(Subjects(cfg.nats.prefix), generate_passwords(cfg.nats.auth_dir))
     server = EmbeddedNats(store, authorization=authorization, log_file=store / "nats-server.reopened.log")
     local = server.start()
     try:
