@@ -31,7 +31,6 @@ from shared.bus import connect, publish_retrying
 from shared.chat import tokenize_conversation
 from shared.config import JetRLConfig
 from shared.messages import BadMessage, EpisodeStatus, Trajectory, TurnInfo, encode
-from shared.model import load_tokenizer, resolve_model
 from shared.subjects import Subjects
 
 log = structlog.get_logger()
@@ -89,6 +88,8 @@ async def _backlog(js: JetStreamContext, subjects: Subjects, published: int) -> 
 
 async def feed(cfg: JetRLConfig, path: str | Path, stop: asyncio.Event) -> int:
     """Publish the file's conversations as demonstrations until ``stop``; returns how many were published."""
+    from shared.model import load_tokenizer, resolve_model  # torch and transformers: only for this command
+
     tokenizer = await asyncio.to_thread(lambda: load_tokenizer(resolve_model(cfg.model)))
     subjects = Subjects(cfg.nats.prefix)
     bound = 2 * max(cfg.trainer.max_groups, cfg.trainer.min_groups)
