@@ -3,8 +3,10 @@
     jetrl creds observer --run-dir runs/latest          # writes runs/latest/nats/observer.context.json
     python examples/readers/read_trajectories.py runs/latest/nats/observer.context.json [--max N]
 
-Every trajectory on ``<prefix>.traj.>`` since the run began, then the new ones as they come (an ordered
-consumer: the stream from its start, nothing stored server-side). Payloads are msgpack maps; their fields
+Every trajectory on ``<prefix>.traj.>`` since the run began, then the new ones as they come (an ephemeral
+pull consumer: the stream from its start, in order, dropped by the server when the reader goes). nats-py names
+it in the API subject (``CONSUMER.CREATE.<stream>.<name>.<filter>``), the only way the observer may create one:
+its ``subscribe(..., ordered_consumer=True)`` uses the bare ``CONSUMER.CREATE.<stream>``, which is refused. Payloads are msgpack maps; their fields
 are in docs/schemas/trajectory.json. Needs only ``pip install nats-py msgpack``.
 """
 
@@ -26,17 +28,22 @@ async def main() -> None:
     # the inbox prefix matters: the observer may subscribe only under it, and JetStream delivers to an inbox
     nc = await nats.connect(ctx["url"], user=ctx["user"] or None, password=ctx["password"] or None,
                             inbox_prefix=ctx["inbox_prefix"].encode())
-    sub = await nc.jetstream().subscribe(ctx["jetrl_traj_subject"], ordered_consumer=True)
-    seen = 0
+    sub = await nc.jetstream().pull_subscribe(ctx["jetrl_traj_subject"], stream=ctx["jetrl_traj_stream"])
+    seen, idle = 0, 0.0
     while not args.max or seen < args.max:
         try:
-            msg = await sub.next_msg(timeout=args.idle_s or None)
-        except nats.errors.TimeoutError:
-            break
-        t = msgpack.unpackb(msg.data)
-        seen += 1
-        print(f"{t['task']} {t['episode_id']} reward {t['reward']:.2f} {t['status']} turns {len(t['turns'])}",
-              flush=True)
+            msgs = await sub.fetch(min(64, args.max - seen) if args.max else 64, timeout=1.0)
+        except (nats.errors.TimeoutError, TimeoutError):
+            idle += 1.0
+            if args.idle_s and idle >= args.idle_s:
+                break
+            continue
+        idle = 0.0
+        for msg in msgs:
+            t = msgpack.unpackb(msg.data)
+            seen += 1
+            print(f"{t['task']} {t['episode_id']} reward {t['reward']:.2f} {t['status']} turns {len(t['turns'])}",
+                  flush=True)
     await nc.close()
 
 
