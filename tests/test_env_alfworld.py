@@ -21,12 +21,14 @@ import pytest
 pytest.importorskip("alfworld", reason="the alfworld extra is not installed (pip install -e '.[alfworld]')")
 
 from services.envs.alfworld_env import AlfworldEnv, agentbench_task_ids, gen, make_env, snap  # noqa: E402
+from services.envs.alfworld_env.config import AlfworldTaskConfig
 from services.envs.alfworld_env.pool import EngineDied  # noqa: E402
 from services.envs.base import ToolCall, ToolError  # noqa: E402
 from services.envs.host import EnvHost  # noqa: E402
-from shared.config import AlfworldTaskConfig, EnvConfig  # noqa: E402
+from shared.config import EnvConfig  # noqa: E402
 from shared.envapi import EnvClient  # noqa: E402
 from tests.host_turns import HostSession, assistant_calls  # noqa: E402
+from tests.procs import env_check  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -34,7 +36,7 @@ REPO = Path(__file__).resolve().parent.parent
 @pytest.fixture(scope="module")
 def env() -> Iterator[AlfworldEnv]:
     cfg = EnvConfig(task="alfworld", num_train_tasks=1, num_test_tasks=1, max_sessions=6,
-                    alfworld=AlfworldTaskConfig(pool_size=2, prefetch=0))
+                    sections={"alfworld": AlfworldTaskConfig(pool_size=2, prefetch=0)})
     env = make_env(cfg)
     yield env
     env.close()
@@ -317,8 +319,8 @@ def test_game_files_and_tuples_serve_alfworlds_own_layout(env: AlfworldEnv, tmp_
         for name in ("game.tw-pddl", "traj_data.json", "initial_state.pddl"):
             (dst / name).write_bytes((src / name).read_bytes())
     cfg = EnvConfig(task="alfworld", num_train_tasks=1, num_test_tasks=1, max_sessions=2,
-                    alfworld=AlfworldTaskConfig(pool_size=1, prefetch=0,
-                                                game_files=[str(tmp_path / "json_2.1.1" / "**" / "game.tw-pddl")]))
+                    sections={"alfworld": AlfworldTaskConfig(pool_size=1, prefetch=0,
+                                                game_files=[str(tmp_path / "json_2.1.1" / "**" / "game.tw-pddl")])})
     files_env = make_env(cfg)
     try:
         dev = files_env.task_ids("dev")
@@ -329,7 +331,7 @@ def test_game_files_and_tuples_serve_alfworlds_own_layout(env: AlfworldEnv, tmp_
         files_env.close()
     with pytest.raises(FileNotFoundError, match="no file matches"):
         make_env(EnvConfig(task="alfworld", num_train_tasks=1, num_test_tasks=1,
-                           alfworld=AlfworldTaskConfig(game_files=[str(tmp_path / "none" / "*.tw-pddl")])))
+                           sections={"alfworld": AlfworldTaskConfig(game_files=[str(tmp_path / "none" / "*.tw-pddl")])}))
 
 
 def test_planner_oracle_wins_the_games_the_expert_loses(env: AlfworldEnv) -> None:
@@ -339,7 +341,7 @@ def test_planner_oracle_wins_the_games_the_expert_loses(env: AlfworldEnv) -> Non
         assert all(env.catalogue[split]["expert"][t]["planner_won"] for t in env.task_ids(split)), split
     lost = [t for t in env.task_ids("test") if t not in won(env, "test")]
     cfg = EnvConfig(task="alfworld", num_train_tasks=1, num_test_tasks=1, max_sessions=2,
-                    alfworld=AlfworldTaskConfig(pool_size=1, prefetch=0, oracle="planner"))
+                    sections={"alfworld": AlfworldTaskConfig(pool_size=1, prefetch=0, oracle="planner")})
     planner_env = make_env(cfg)
     try:
         for task_id in lost[:2] or env.task_ids("test")[:1]:
@@ -373,3 +375,12 @@ async def test_several_calls_in_one_message_run_the_first_as_agentbench(env: Alf
         assert "not carrying" not in step.messages[0]["content"] and step.metrics["turns"] == 1.0  # no inventory
     finally:
         await session.close()
+
+
+def test_env_check_passes() -> None:
+    """`jetrl env-check alfworld`: one game per split, the planner oracle (it always wins; the handcoded
+    expert may not, within max_rounds), one engine process."""
+    out = env_check("alfworld", "--episodes=1", "--env.num_train_tasks=1", "--env.num_test_tasks=1",
+                    "--env.alfworld.pool_size=1", "--env.alfworld.prefetch=0", "--env.alfworld.oracle=planner",
+                    timeout_s=600)
+    assert "oracle test                  1/1 solved" in out and "env-check alfworld: 11 passed" in out
