@@ -11,8 +11,9 @@ grader fix is checked against the episodes already played.
 
 The command reads the run's trajectories as the observer and replays them against env services it starts
 itself (``python -m services.envs <task>``, the run's config with the overrides) on a nats-server of its
-own: a live run's env replicas are never touched. Every result goes to ``--out`` (JSONL); the episodes
-whose grade differs are printed.
+own: a live run's env replicas are never touched. A task's env is started as ``jetrl up`` starts it
+(``shared/tasks.py``: a built-in task, a plugin's factory, or an external program). Every result goes to
+``--out`` (JSONL); the episodes whose grade differs are printed.
 """
 
 from __future__ import annotations
@@ -21,8 +22,6 @@ import argparse
 import asyncio
 import json
 import os
-import subprocess
-import sys
 import tempfile
 import time
 import uuid
@@ -36,11 +35,12 @@ from nats.aio.client import Client
 from jetrl.errors import CliError
 from jetrl.streams import TrajectoryStream, open_run
 from shared.bus import connect
-from shared.config import save_config
+from shared.config import load_config, save_config
 from shared.envapi import EnvClient, EnvError, episode_seed
 from shared.messages import Trajectory
 from shared.natsd import EmbeddedNats
 from shared.subjects import Subjects
+from shared.tasks import find_task
 
 REWARD_TOLERANCE = 1e-9
 ROLLOUT_ENDINGS = frozenset({"agent_context_limit", "task_limit_reached", "cancelled", "timeout"})
@@ -173,17 +173,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", type=int, default=4, help="episodes replayed at once")
 
 
-def _wait_for_envs(nc_url: str, cfg: Any, tasks: list[str], procs: dict[str, subprocess.Popen[bytes]],
-                   logs: Path, timeout_s: float = 180.0) -> None:
+def _wait_for_envs(cfg: Any, tasks: list[str], sup: Any, timeout_s: float = 180.0) -> None:
+    """Until each task's env answers its health endpoint; an env that exits says so, with its log."""
     async def ready() -> None:
-        nc = await connect(cfg.nats, "jetrl-reverify-wait", url=nc_url)
+        nc = await connect(cfg.nats, "jetrl-reverify-wait")
         try:
             deadline = time.monotonic() + timeout_s
             for task in tasks:
                 while True:
-                    if procs[task].poll() is not None:
-                        raise CliError(f"the {task} env service exited with {procs[task].returncode}; see "
-                                       f"{logs / f'env-{task}.log'}")
+                    dead = sup.dead()
+                    if dead:
+                        name, rc = dead[0]
+                        raise CliError(f"the env service {name} exited with {rc}:\n{sup.last_log_lines(name)}")
                     try:
                         await EnvClient(nc, Subjects(cfg.nats.prefix), task, timeout_s=2.0).health()
                         break
@@ -201,10 +202,9 @@ def cmd_reverify(args: argparse.Namespace, overrides: list[str]) -> int:
     run_dir = Path(args.run_dir)
     out = Path(args.out) if args.out else run_dir / "reverify.jsonl"
     with open_run(run_dir, overrides) as access, tempfile.TemporaryDirectory(prefix="jetrl-reverify-") as scratch:
-        from shared.config import load_config
-
         cfg = load_config(run_dir / "config.toml", list(overrides))  # the env services: the run's config + overrides
         tasks = [t for t, share in cfg.controller.tasks.items() if share > 0 and (not args.task or t in args.task)]
+        cfg.run.dir = str(out.parent / "reverify")
         if not tasks:
             raise CliError(f"no task to replay: the run's tasks are {', '.join(cfg.controller.tasks)}")
         server = EmbeddedNats(Path(scratch) / "nats")  # our own: a live run's env replicas are never used
@@ -213,25 +213,17 @@ def cmd_reverify(args: argparse.Namespace, overrides: list[str]) -> int:
         cfg.nats.prefix = "reverify"
         config_path = Path(scratch) / "reverify.toml"
         save_config(cfg, config_path)
-        logs = out.parent / "reverify-logs"
-        logs.mkdir(parents=True, exist_ok=True)
-        procs = {}
-        for task in tasks:
-            with open(logs / f"env-{task}.log", "ab") as log:
-                procs[task] = subprocess.Popen([sys.executable, "-m", "services.envs", task, "--config",
-                                                str(config_path)], stdout=log, stderr=subprocess.STDOUT,
-                                               env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        from jetrl.cli import Supervisor, spawn_env  # the way `jetrl up` starts a task's env (shared/tasks.py)
+
+        logs_dir = out.parent / "reverify"
+        sup = Supervisor(cfg, config_path, logs_dir)
         try:
-            _wait_for_envs(cfg.nats.url, cfg, tasks, procs, logs)
+            for task in tasks:
+                spawn_env(sup, cfg, find_task(task, cfg.env), 0, os.getcwd())
+            _wait_for_envs(cfg, tasks, sup)
             summary = asyncio.run(_run(access, cfg, tasks, out, args.concurrency))
         finally:
-            for proc in procs.values():
-                proc.terminate()
-            for proc in procs.values():
-                try:
-                    proc.wait(timeout=15)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
+            sup.stop_all()
             server.stop()
     print(f"jetrl reverify: {summary.replayed} episodes replayed, {summary.changed} graded differently, "
           f"{summary.failed} could not be replayed; every result in {out}")

@@ -10,7 +10,7 @@ from services.rollout.worker import RolloutWorker
 from shared.config import EnvConfig, ModelConfig
 from shared.messages import EpisodeJob, Trajectory, encode
 from shared.model import load_tokenizer, quiet_transformers, resolve_model
-from tests.arith_env import SumEnv
+from tests.sums_env import SumEnv
 
 
 async def serve(nc, subjects, numeric: bool, name: str):
@@ -29,23 +29,23 @@ async def regrade_all(nc, config, subjects) -> tuple[list[Regrade], object]:
 async def test_a_changed_grader_is_found_in_exactly_the_episodes_it_regrades(nc, config, subjects) -> None:
     quiet_transformers()
     tokenizer = load_tokenizer(resolve_model(ModelConfig()))
-    host, service = await serve(nc, subjects, numeric=True, name="env-arith-lenient")
+    host, service = await serve(nc, subjects, numeric=True, name="env-sums-lenient")
     config.rollout.engine = "oracle"
     worker = RolloutWorker(nc, nc.jetstream(), subjects, config.rollout, None, tokenizer, "rollout-oracle")
     try:
-        played = [await worker.play(EpisodeJob(episode_id=f"e{i}", group_id="g", task="arith", task_id=f"train-{i}"),
+        played = [await worker.play(EpisodeJob(episode_id=f"e{i}", group_id="g", task="sums", task_id=f"train-{i}"),
                                     attempt=1) for i in range(6)]
     finally:
         await service.stop()
         await host.shutdown()
     assert [t.reward for t in played] == [1.0] * 6  # the lenient grader reads "12.0" as 12
-    failed = Trajectory(episode_id="e-env-error", group_id="g", task="arith", task_id="train-0", split="train",
+    failed = Trajectory(episode_id="e-env-error", group_id="g", task="sums", task_id="train-0", split="train",
                         group_size=1, tokens=[], logprobs=[], loss_mask=[], prompt_len=0, turns=[], reward=0.0,
                         status="env_error", replica_id="r")
-    await nc.jetstream().publish(subjects.traj("arith"), encode(failed))
+    await nc.jetstream().publish(subjects.traj("sums"), encode(failed))
 
     # the same env again: the replay rule holds, nothing is graded differently
-    host, service = await serve(nc, subjects, numeric=True, name="env-arith-again")
+    host, service = await serve(nc, subjects, numeric=True, name="env-sums-again")
     try:
         same, summary = await regrade_all(nc, config, subjects)
     finally:
@@ -56,7 +56,7 @@ async def test_a_changed_grader_is_found_in_exactly_the_episodes_it_regrades(nc,
     assert "no action log" in next(r.error for r in same if r.episode_id == "e-env-error")
 
     # a strict grader: the odd tasks' decimal answers no longer count
-    host, service = await serve(nc, subjects, numeric=False, name="env-arith-strict")
+    host, service = await serve(nc, subjects, numeric=False, name="env-sums-strict")
     try:
         strict, summary = await regrade_all(nc, config, subjects)
     finally:

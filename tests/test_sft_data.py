@@ -86,12 +86,13 @@ def _jetrl(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]
 
 @pytest.fixture(scope="module")
 def oracle_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """A real `jetrl sft` run: db's oracle through every service, its own embedded server and store, then
-    over (the run directory and its config file)."""
+    """A real `jetrl sft` run: db's oracle and the sums test env's through every service, its own embedded
+    server and store, then over (the run directory and its config file)."""
     tmp_path = tmp_path_factory.mktemp("oracle")
     config = JetRLConfig()
     config.nats.prefix = "oracle"
-    config.controller.tasks = {"db": 1.0}
+    config.controller.tasks = {"db": 1.0, "sums": 1.0}
+    config.env.sections["sums"] = {"factory": "tests.sums_env:make_env"}  # a grader with a setting
     config.controller.max_inflight = 8
     config.env.num_train_tasks, config.env.num_test_tasks = 8, 2
     config.trainer.steps, config.trainer.min_groups, config.trainer.max_groups = 1, 8, 8
@@ -111,8 +112,8 @@ def test_export_of_a_runs_successes_trains_with_sft_data_and_the_loss_falls(orac
     that file: no env or rollout runs, every step trains on a full batch, the loss falls step by step."""
     oracle_run_dir, cfg_path = oracle_run
     demos = tmp_path / "demos.parquet"
-    proc = _jetrl("export", "--run-dir", str(oracle_run_dir), "-o", str(demos), "--status", "completed",
-                  "--min-reward", "1", timeout=120)
+    proc = _jetrl("export", "--run-dir", str(oracle_run_dir), "-o", str(demos), "--task", "db", "--status",
+                  "completed", "--min-reward", "1", timeout=120)
     assert proc.returncode == 0, proc.stderr
     import pandas as pd
 
@@ -137,14 +138,27 @@ def test_export_of_a_runs_successes_trains_with_sft_data_and_the_loss_falls(orac
 
 
 @pytest.mark.slow
-def test_the_oracle_runs_episodes_replay_to_their_stored_grades(oracle_run: tuple[Path, Path], tmp_path: Path) -> None:
-    """db's replay rule: each stored episode's task, seed and action log, replayed by `jetrl reverify`
-    against a fresh db env, give the same opening, the same answers and the same grade."""
+def test_reverify_replays_the_runs_episodes_and_finds_a_changed_grader(oracle_run: tuple[Path, Path],
+                                                                      tmp_path: Path) -> None:
+    """The replay rule: each stored episode's task, seed and action log, replayed by `jetrl reverify`
+    against fresh db and sums envs, give the same opening, answers and grade. Then sums' grader made
+    strict by a config override: exactly the episodes of its odd tasks (decimal answers) lose their reward."""
     run_dir, _ = oracle_run
-    out = tmp_path / "reverify.jsonl"
+    out = tmp_path / "same.jsonl"
     proc = _jetrl("reverify", "--run-dir", str(run_dir), "--out", str(out), timeout=180)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     results = [json.loads(line) for line in out.read_text().splitlines()]
-    assert len(results) >= 8 and f"{len(results)} episodes replayed, 0 graded differently" in proc.stdout
+    assert {r["task"] for r in results} == {"db", "sums"}
+    assert f"{len(results)} episodes replayed, 0 graded differently" in proc.stdout
     assert all(r["replayed_reward"] == r["stored_reward"] == 1.0 and r["replayed_status"] == "completed"
                and not r["opening_differs"] and not r["answers_differ"] for r in results)
+
+    out = tmp_path / "strict.jsonl"
+    proc = _jetrl("reverify", "--run-dir", str(run_dir), "--task", "sums", "--env.sums.numeric=false", "--out",
+                  str(out), timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    results = [json.loads(line) for line in out.read_text().splitlines()]
+    odd = {r["episode_id"] for r in results if int(r["task_id"].rsplit("-", 1)[1]) % 2 == 1}
+    assert odd and {r["episode_id"] for r in results if r["changed"]} == odd
+    assert f"{len(odd)} graded differently" in proc.stdout
+    assert all(r["replayed_reward"] == 0.0 for r in results if r["changed"])

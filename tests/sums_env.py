@@ -1,12 +1,15 @@
-"""A small env for tests whose grader is a parameter: sums, a calculator tool, and an answer that a
-lenient grader reads as a number ("12.0" is 12) and a strict one as text. Its oracle writes the odd
-tasks' answers as decimals, so a change of grader changes exactly their reward."""
+"""A small env for tests whose grader is a setting: sums, a calculator tool, and an answer that a lenient
+grader reads as a number ("12.0" is 12) and a strict one as text (``[env.sums] numeric = false``). Its
+oracle writes the odd tasks' answers as decimals, so a change of grader changes exactly their reward.
+Served as a task with ``[env.sums] factory = "tests.sums_env:make_env"``."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from services.envs.base import Episode, TaskEnv, ToolCall, ToolError, ToolResult
+from shared.config import EnvConfig, opt
 
 TOOLS = [
     {"type": "function", "function": {"name": "add", "description": "The sum of two integers.",
@@ -53,7 +56,7 @@ class SumEpisode(Episode):
 
 
 class SumEnv(TaskEnv):
-    name = "arith"
+    name = "sums"
 
     def __init__(self, numeric: bool = True, tasks: int = 8) -> None:
         self.numeric, self.tasks = numeric, tasks
@@ -73,3 +76,12 @@ class SumEnv(TaskEnv):
             return ToolCall("add", {"a": episode.a, "b": episode.b})
         odd = (episode.a - 1) // 3 % 2 == 1
         return ToolCall("answer", {"value": f"{episode.total}.0" if odd else str(episode.total)})
+
+
+@dataclass
+class Config:
+    numeric: bool = opt(True, "grade the answer as a number (12.0 is 12); false: as text")
+
+
+def make_env(env: EnvConfig) -> SumEnv:
+    return SumEnv(numeric=env.section(env.task).numeric, tasks=env.num_train_tasks)
