@@ -92,18 +92,22 @@ def server_children() -> list[int]:
     return out
 
 
-def test_stdio_tools_as_listed_a_verifier_tool_grades(tasks_file: str) -> None:
-    env = McpToolsEnv(McpToolsConfig(server_command=SERVER, tasks_file=tasks_file), name="sql")
+def test_stdio_tools_as_listed_a_verifier_tool_grades(tasks_file: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("JETRL_TEST_SECRET", "not for the server")
+    env = McpToolsEnv(McpToolsConfig(server_command=SERVER, tasks_file=tasks_file, server_env={"SQL_MODE": "strict"}),
+                      name="sql")
     try:
         assert env.task_ids("train") == ["total", "count", "mean", "item", "checked"]
         assert env.task_ids("test") == ["held-out"] and env.task_level("total", "train").kind == "sum"
         ep = env.open("total", "train", 0)
         names = [t["function"]["name"] for t in ep.tools]
-        assert names == ["execute_sql", "list_tables", "crash", "submit_answer"]  # the verifier is hidden
+        assert names == ["execute_sql", "list_tables", "getenv", "crash", "submit_answer"]  # the verifier is hidden
         sql = ep.tools[0]["function"]
         assert sql["description"] == "Run one SQL statement on this session's database and return its rows."
         assert sql["parameters"]["properties"]["query"]["type"] == "string" and sql["parameters"]["required"] == ["query"]
         assert ep.call(call("list_tables")).content == "sales"  # the task's setup ran on this session
+        assert ep.call(ToolCall("getenv", {"name": "SQL_MODE"})).content == "strict"
+        assert ep.call(ToolCall("getenv", {"name": "JETRL_TEST_SECRET"})).content == ""  # the replica's own stay with it
         bad = ep.call(call("execute_sql", query="SELEC 1"))
         assert not bad.finish and bad.content.startswith("Error") and "syntax error" in bad.content
         assert ep.call(call("execute_sql", query="SELECT SUM(amount) FROM sales")).content == "[(12,)]"
