@@ -19,7 +19,7 @@ import pytest
 
 pytest.importorskip("mcp", reason="the mcp extra: pip install 'jetrl[mcp]' (make venv installs it)")
 
-from services.envs.base import ToolCall, ToolError  # noqa: E402
+from services.envs.base import ToolCall  # noqa: E402
 from services.envs.host import EnvHost  # noqa: E402
 from services.envs.mcp_tools import McpToolsConfig, McpToolsEnv  # noqa: E402
 from services.envs.mcp_tools.session import ServerGone  # noqa: E402
@@ -192,7 +192,7 @@ def test_a_server_that_dies_mid_episode_ends_it_without_a_hang(tasks_file: str, 
         proc.kill()
         proc.wait()
         started = time.monotonic()
-        with pytest.raises((ServerGone, TimeoutError, ToolError)):
+        with pytest.raises(ServerGone):
             ep.call(call("list_tables"))
         assert time.monotonic() - started < 5
         ep.close()
