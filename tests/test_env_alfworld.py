@@ -28,6 +28,7 @@ from services.envs.host import EnvHost  # noqa: E402
 from shared.config import EnvConfig  # noqa: E402
 from shared.envapi import EnvClient  # noqa: E402
 from tests.host_turns import HostSession, assistant_calls  # noqa: E402
+from tests.procs import env_check  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -374,3 +375,12 @@ async def test_several_calls_in_one_message_run_the_first_as_agentbench(env: Alf
         assert "not carrying" not in step.messages[0]["content"] and step.metrics["turns"] == 1.0  # no inventory
     finally:
         await session.close()
+
+
+def test_env_check_passes() -> None:
+    """`jetrl env-check alfworld`: one game per split, the planner oracle (it always wins; the handcoded
+    expert may not, within max_rounds), one engine process."""
+    out = env_check("alfworld", "--episodes=1", "--env.num_train_tasks=1", "--env.num_test_tasks=1",
+                    "--env.alfworld.pool_size=1", "--env.alfworld.prefetch=0", "--env.alfworld.oracle=planner",
+                    timeout_s=600)
+    assert "oracle test                  1/1 solved" in out and "env-check alfworld: 11 passed" in out

@@ -20,6 +20,7 @@ from services.envs.host import EnvHost
 from shared.config import EnvConfig, JetRLConfig
 from shared.envapi import EnvClient
 from tests.host_turns import HostSession, assistant_calls
+from tests.procs import env_check
 
 
 def sql(query: str) -> ToolCall:
@@ -354,3 +355,9 @@ async def test_several_calls_in_one_message_all_run_in_order_as_agentbench(env) 
         assert step.finish and step.status == "completed" and [m["tool_call_id"] for m in step.messages] == ["c0"]
     finally:
         await session.close()
+
+
+def test_env_check_passes() -> None:
+    """`jetrl env-check db`: the env contract over a real nats-server (jetrl/envcheck.py)."""
+    out = env_check("db", "--env.num_train_tasks=6", "--env.num_test_tasks=3")
+    assert "2/2 solved" in out and "bad call: unknown tool" in out and "env-check db: 11 passed" in out
