@@ -25,7 +25,7 @@ from services.envs.mcp_tools import McpToolsConfig, McpToolsEnv  # noqa: E402
 from services.envs.mcp_tools.session import ServerGone  # noqa: E402
 from shared.config import EnvConfig  # noqa: E402
 from shared.envapi import EnvClient  # noqa: E402
-from tests.procs import stop_processes  # noqa: E402
+from tests.procs import env_check, stop_processes  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 SERVER = [sys.executable, "-m", "tests.servers.sql_tools"]
@@ -237,3 +237,11 @@ async def test_over_nats_a_crash_is_env_error_and_cancel_and_idle_close_the_serv
             reaper.cancel()
         await service.stop()
         await host.shutdown()
+
+
+def test_env_check_passes(tmp_path: Path, http_server: Any) -> None:
+    """`jetrl env-check mcp` against the HTTP server: the oracle submits each task's answer."""
+    path = tmp_path / "answered.jsonl"
+    path.write_text("".join(json.dumps(t) + "\n" for t in TASKS if t["id"] in ("count", "mean", "held-out")))
+    out = env_check("mcp", f"--env.mcp.url={http_server[0]}", f"--env.mcp.tasks_file={path}")
+    assert "2/2 solved" in out and "1/1 solved" in out and "env-check mcp: 11 passed" in out

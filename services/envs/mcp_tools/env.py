@@ -189,10 +189,11 @@ class McpToolsEnv(TaskEnv):
         ``jetrl sft``, ``jetrl env-check``). A task graded by a verifier or a function alone has no oracle."""
         assert isinstance(episode, McpEpisode)
         if episode.task.answer is None:
-            raise NotImplementedError(f"task {episode.task.id} has no answer to submit")
+            raise NotImplementedError(f"{self.name} has no oracle for task {episode.task.id}: no answer to submit")
         answer = episode.task.answer
         if episode.task.grader == "regex":
-            raise NotImplementedError(f"task {episode.task.id}: its answer is a pattern, not an answer")
+            raise NotImplementedError(f"{self.name} has no oracle for task {episode.task.id}: its answer is a "
+                                      "pattern")
         return ToolCall(self.settings.answer_tool, {"answer": str(answer)})
 
     def close(self) -> None:
