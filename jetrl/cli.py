@@ -3,6 +3,7 @@
     jetrl quickstart [--config FILE] [--fresh]   # cached warm start, then RL that improves it
     jetrl up [--config FILE] [--rollouts N] [--section.key=value ...]
     jetrl sft [--config FILE] [...]     # warm start on oracle demonstrations -> <run>/model
+    jetrl sft --data FILE [...]         # warm start on a chat dataset (jetrl export's, or any) -> <run>/model
     jetrl eval [--config FILE] [...]    # test split, greedy, per-task report -> <run>/eval.json
     jetrl eval --engine openai --base-url URL --model NAME   # the same, any OpenAI-compatible server
     jetrl eval --suite TASK [...]       # one task alone (an eval-only benchmark task), per-category accuracy
@@ -12,6 +13,7 @@
     jetrl status [--run-dir DIR]
     jetrl creds observer [--run-dir DIR]   # read-only NATS credentials for outside readers (context file, URL)
     jetrl export [--run-dir DIR | --url NATS_URL --prefix P] -o FILE.parquet|.jsonl [filters]   # docs/data.md
+    jetrl reverify [--run-dir DIR] [--task T] [--section.key=value ...]   # grade stored episodes again
     jetrl config [--task T]   # every config key with its default and help; with a task, only
                               # what its env service reads: [env] and [env.<task>]
     jetrl env-check TASK [--config FILE]   # a task's env against the env contract: oracle, bad calls, cancel
@@ -53,8 +55,11 @@ from jetrl.export import add_arguments as add_export_arguments
 from jetrl.export import cmd_export
 from jetrl.outcome import RunOutcome
 from jetrl.preflight import check_config
+from jetrl.reverify import add_arguments as add_reverify_arguments
+from jetrl.reverify import cmd_reverify
 from jetrl.schema import add_arguments as add_schema_arguments
 from jetrl.schema import run as run_schema
+from jetrl.sft_data import describe_dataset, follow_with_dataset
 from shared.auth import (
     CLUSTER_PASSWORD_ENV,
     ROLES,
@@ -413,6 +418,8 @@ def spawn_env(sup: Supervisor, cfg: JetRLConfig, source: TaskSource, replica: in
 def cmd_up(args: argparse.Namespace, overrides: list[str], mode: str = "up") -> int:
     cfg = load_config(args.config, MODE_DEFAULTS[mode] + eval_overrides(args) + overrides)
     preflight(cfg)  # before anything starts: a mistake in one line now, not a crash loop in minutes
+    if getattr(args, "data", None):
+        print(f"jetrl sft: {describe_dataset(args.data, cfg)}", flush=True)
     trainer_command(getattr(args, "trainer_ranks", 1), cfg.trainer.torch_threads)  # a bad --trainer-ranks: say so first
     sources = {task: find_task(task, cfg.env) for task, share in cfg.controller.tasks.items() if share > 0}
     command_dir = str(Path(args.config).resolve().parent) if args.config else os.getcwd()
@@ -448,11 +455,12 @@ def cmd_up(args: argparse.Namespace, overrides: list[str], mode: str = "up") -> 
     (run_dir / "controller.url").unlink(missing_ok=True)  # an earlier run's; the new controller writes its own
     stop = asyncio.Event()
     rc = 1
+    data = getattr(args, "data", None)  # jetrl sft --data: demonstrations from a file, no env or rollout
     try:
-        for source in sources.values():
+        for source in sources.values() if data is None else ():
             for i in range(args.env_replicas):
                 spawn_env(sup, cfg, source, i, command_dir)
-        for i in range(args.rollouts):
+        for i in range(args.rollouts if data is None else 0):
             sup.spawn(f"rollout-{i}", ["services.rollout"])
         for i in range(args.stale_engines):  # generation-only pool members on old weights (AgentRL)
             sup.spawn(f"stale-{i}", ["services.rollout"], ["--rollout.engine_kind=stale", "--rollout.serve_jobs=false"])
@@ -460,14 +468,17 @@ def cmd_up(args: argparse.Namespace, overrides: list[str], mode: str = "up") -> 
         main_role = "controller" if evaluating else "trainer"
         if not evaluating:
             sup.spawn("trainer", *trainer_command(getattr(args, "trainer_ranks", 1), cfg.trainer.torch_threads))
-        sup.spawn("controller", ["services.controller"])
+        if data is None:
+            sup.spawn("controller", ["services.controller"])
         print(f"jetrl {mode}: started {', '.join(sup.procs)}", flush=True)
 
         async def main() -> int:
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.add_signal_handler(sig, stop.set)
-            return await _follow_progress(cfg, cfg.nats.url, sup, stop, main_role)
+            if data is None:
+                return await _follow_progress(cfg, cfg.nats.url, sup, stop, main_role)
+            return await follow_with_dataset(_follow_progress(cfg, cfg.nats.url, sup, stop, main_role), cfg, data)
 
         rc = asyncio.run(main())
         if stop.is_set():
@@ -711,6 +722,10 @@ def _main(argv: list[str]) -> int:
         p.add_argument("--resume", action="store_true",
                        help="continue the run in run.dir (its checkpoints and streams); without it an earlier "
                             "run there is renamed and a fresh one starts")
+        if name == "sft":
+            p.add_argument("--data", default=None, help="demonstrations from this dataset file (.parquet / .jsonl: "
+                                                        "jetrl export's, or any chat dataset with OpenAI tool calls) "
+                                                        "instead of the envs' oracles")
         if name in ("eval", "probe"):
             p.add_argument("--engine", default=None, help="rollout.engine: continuous | hf | vllm | openai")
             p.add_argument("--base-url", default=None, help="openai engine: the server, e.g. http://host:8001/v1")
@@ -761,6 +776,8 @@ def _main(argv: list[str]) -> int:
     add_schema_arguments(schema)
     add_export_arguments(sub.add_parser("export", help="a run's trajectories as a dataset file (Parquet or JSONL, "
                                                       "the Hugging Face chat format), filtered"))
+    add_reverify_arguments(sub.add_parser("reverify", help="replay a run's stored episodes against fresh env "
+                                                           "sessions and report where the grade differs"))
     args, rest = parser.parse_known_args(argv)
     setup_logging("cli", level="warning")  # the CLI prints its own lines; services log to their files
     if args.command in MODE_DEFAULTS:
@@ -779,6 +796,8 @@ def _main(argv: list[str]) -> int:
         return cmd_env_check(args.task, args.config, rest, args.episodes, args.wait)
     if args.command == "export":
         return cmd_export(args, rest)
+    if args.command == "reverify":
+        return cmd_reverify(args, rest)
     if rest:
         parser.error(f"unrecognised arguments: {rest}")
     if args.command == "secrets":
