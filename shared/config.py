@@ -163,7 +163,9 @@ class EnvConfig:
                 unknown.add(task)
                 section = self.sections.get(task, {})
             if isinstance(section, dict) and key in section:
-                return _check_type(section[key], _keys(EnvConfig)[key], f"env.{task}.{key}")
+                hint, value = _keys(EnvConfig)[key], section[key]
+                value = _parse_scalar(value, hint, f"env.{task}.{key}") if isinstance(value, str) else value
+                return _check_type(value, hint, f"env.{task}.{key}")
             if not isinstance(section, dict) and hasattr(section, key):
                 return getattr(section, key)
         return getattr(self, key)
