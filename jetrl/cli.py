@@ -429,9 +429,10 @@ def spawn_env(sup: Supervisor, cfg: JetRLConfig, source: TaskSource, replica: in
 
 def cmd_up(args: argparse.Namespace, overrides: list[str], mode: str = "up") -> int:
     cfg = load_config(args.config, MODE_DEFAULTS[mode] + eval_overrides(args) + overrides)
-    preflight(cfg)  # before anything starts: a mistake in one line now, not a crash loop in minutes
-    if getattr(args, "data", None):
-        print(f"jetrl sft: {describe_dataset(args.data, cfg)}", flush=True)
+    data = getattr(args, "data", None)  # jetrl sft --data: demonstrations from a file, no env or rollout
+    preflight(cfg, serving=data is not None)  # before anything starts: a mistake in one line now, not a crash loop
+    if data is not None:
+        print(f"jetrl sft: {describe_dataset(data, cfg)}", flush=True)
     trainer_command(getattr(args, "trainer_ranks", 1), cfg.trainer.torch_threads)  # a bad --trainer-ranks: say so first
     sources = {task: find_task(task, cfg.env) for task, share in cfg.controller.tasks.items() if share > 0}
     command_dir = str(Path(args.config).resolve().parent) if args.config else os.getcwd()
@@ -475,7 +476,6 @@ def cmd_up(args: argparse.Namespace, overrides: list[str], mode: str = "up") -> 
     (run_dir / "controller.url").unlink(missing_ok=True)  # an earlier run's; the new controller writes its own
     stop = asyncio.Event()
     rc = 1
-    data = getattr(args, "data", None)  # jetrl sft --data: demonstrations from a file, no env or rollout
     try:
         for source in sources.values() if data is None else ():
             for i in range(args.env_replicas):
