@@ -330,6 +330,9 @@ class TrainerConfig:
                                           "so every step trains on groups with signal (DAPO's dynamic sampling; "
                                           "with kl_coef > 0 their KL gradient is left out too)")
     max_staleness: dict[str, int] = opt({}, "task -> most versions a turn may lag ('*' = every task); empty = no bound")
+    max_tokens: dict[str, int] = opt({}, "task -> longest trajectory (tokens) the trainer takes ('*' = every task); a "
+                                         "longer one is dead-lettered, never trained on; unset: "
+                                         "rollout.max_context_tokens, which no trajectory of a rollout exceeds")
     staleness_mode: str = opt("drop", "beyond the bound: drop the trajectory | downweight its tokens")
     staleness_downweight: float = opt(0.5, "token weight of a too-stale trajectory in downweight mode")
     sft_min_reward: float = opt(1.0, "sft: train only on trajectories with at least this reward")
@@ -618,7 +621,8 @@ def validate(cfg: JetRLConfig) -> None:
         raise ConfigError("controller.sync needs rollout.cross_policy_prob = 0: turns from the pool's stale "
                           "engines are off-policy by design")
     for key, lanes in (("rollout.task_concurrency", cfg.rollout.task_concurrency),
-                       ("controller.task_max_inflight", cfg.controller.task_max_inflight)):
+                       ("controller.task_max_inflight", cfg.controller.task_max_inflight),
+                       ("trainer.max_tokens", cfg.trainer.max_tokens)):
         unknown = set(lanes) - set(TASKS) - {"*"}
         if unknown or any(v < 1 for v in lanes.values()):
             raise ConfigError(f"{key} maps tasks ({', '.join(TASKS)}, or '*') to at least 1, got {lanes}")

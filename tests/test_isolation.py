@@ -103,24 +103,30 @@ def tiny_model() -> Any:
 
 
 async def test_the_trainer_judges_each_trajectory_alone(nc, config, subjects, tiny_model: Any, tmp_path) -> None:
-    """The trainer's fetch batch around a bad message: every valid trajectory is held for training (none
-    waits for its last delivery), the bad ones are dead-lettered with a reason."""
+    """The trainer's fetch batch around bad messages: every valid trajectory is held for training (none
+    waits for its last delivery), the bad ones are dead-lettered with a reason: nested too deep, in a field
+    the trainer does not know, and longer than the task's bound (``trainer.max_tokens``)."""
     from services.trainer.trainer import Trainer
 
     config.trainer.min_groups = 100  # hold, never train: what is held is what the test looks at
+    config.trainer.max_tokens = {"db": 6}
     js = nc.jetstream()
     trainer = Trainer(nc, js, subjects, config.trainer, tiny_model, tmp_path, "trainer-test")
     unknown_deep = msgspec.msgpack.encode(msgspec.to_builtins(trajectory("x")) | {"extra": 1})
     unknown_deep = unknown_deep.replace(b"\xa5extra\x01", b"\xa5extra" + NESTED)
-    for data in (encode(trajectory("a")), NESTED, unknown_deep, encode(trajectory("b"))):
+    for data in (encode(trajectory("a")), NESTED, unknown_deep, encode(trajectory("long", tokens=7)),
+                 encode(trajectory("b", tokens=6))):
         await js.publish(subjects.traj("db"), data)
     stop = asyncio.Event()
     running = asyncio.create_task(trainer.run(stop))
     try:
         await until(lambda: set(trainer.groups.get("g").items if "g" in trainer.groups else ()) == {"a", "b"})
-        dead = await letters(js, subjects, 2)
-        assert [d.service for d in dead] == ["trainer", "trainer"]
-        assert "nested too deep" in dead[1].reason and trainer.counters["train/dead_lettered"] == 2
+        dead = await letters(js, subjects, 3)
+        assert [d.service for d in dead] == ["trainer"] * 3 and trainer.counters["train/dead_lettered"] == 3
+        assert "expected a msgpack map" in dead[0].reason and "nested too deep" in dead[1].reason
+        assert dead[2].reason.startswith("trajectory: 7 tokens, more than the 6 the trainer takes for task 'db'")
+        trainer.cfg.max_tokens = {}  # unset: the rollout's context limit
+        assert trainer.token_limit("db") == config.rollout.max_context_tokens == trainer.context_tokens
     finally:
         stop.set()
         await asyncio.wait_for(running, 10.0)

@@ -347,8 +347,15 @@ class RolloutWorker:
                 if step.finish:
                     closed = True
                     break
-                buf.add(self.tokenizer.encode(render_observation(step.messages), add_special_tokens=False), None,
-                        trainable=False)
+                observed = self.tokenizer.encode(render_observation(step.messages), add_special_tokens=False)
+                if len(buf.tokens) + len(observed) + job.max_new_tokens > self.cfg.max_context_tokens:
+                    # no room for another turn after it: end here, so that no trajectory is ever longer than
+                    # max_context_tokens (the trainer refuses longer ones: trainer.max_tokens)
+                    status = EpisodeStatus.AGENT_CONTEXT_LIMIT
+                    await env.cancel(opening.replica_id, session_id, reason=status)
+                    closed = True
+                    break
+                buf.add(observed, None, trainable=False)
             else:
                 status = EpisodeStatus.TASK_LIMIT_REACHED
                 await env.cancel(opening.replica_id, session_id, reason=status)
