@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import ctypes
 import importlib.util
 import json
 import os
@@ -71,23 +70,12 @@ from shared.config import JetRLConfig, describe, load_config, save_config
 from shared.consumers import declare_durables
 from shared.log import setup_logging
 from shared.messages import ActionEvent, BadMessage, MetricsReport, ObservationEvent, Trajectory, decode, encode
-from shared.natsd import EmbeddedNats
+from shared.natsd import EmbeddedNats, StoreInUse, check_store_free, die_with_parent
 from shared.progress import Progress, format_duration
 from shared.subjects import Subjects
 from shared.tasks import ExternalEnv, TaskSource, find_task
 
 log = structlog.get_logger()
-
-PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:
-    """Runs in the child before exec: get SIGTERM when the `jetrl up` process goes away."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
-        pass
-
 
 @dataclass
 class Child:
@@ -139,7 +127,7 @@ class Supervisor:
                                 *child.overrides]
         env = dict(os.environ, PYTHONUNBUFFERED="1", **(child.environ or {}))
         self.procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=child.cwd,
-                                            start_new_session=True, preexec_fn=_die_with_parent)
+                                            start_new_session=True, preexec_fn=die_with_parent)
         log.close()
 
     def dead(self) -> list[tuple[str, int]]:
@@ -417,19 +405,28 @@ def cmd_up(args: argparse.Namespace, overrides: list[str], mode: str = "up") -> 
     sources = {task: find_task(task, cfg.env) for task, share in cfg.controller.tasks.items() if share > 0}
     command_dir = str(Path(args.config).resolve().parent) if args.config else os.getcwd()
     run_dir = Path(cfg.run.dir).resolve()
+    try:  # a run still running there (or its orphaned nats-server): neither renamed nor served twice
+        check_store_free(run_dir / "nats")
+    except StoreInUse as exc:
+        raise CliError(str(exc)) from None
     if not getattr(args, "resume", False):
         _keep_earlier_run(run_dir, mode)
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg.run.dir = str(run_dir)
     server = None
     if not cfg.nats.url:
+        server = EmbeddedNats(run_dir / "nats")
+        try:  # held from here to the end of the run, and by the server while it lives
+            server.lock_store()
+        except StoreInUse as exc:
+            raise CliError(str(exc)) from None
         authorization = ""
         if cfg.nats.embedded_auth:  # one user per role, passwords in <run>/nats/auth (0600): shared/auth.py
             auth_dir = run_dir / "nats" / "auth"
             authorization = server_authorization(Subjects(cfg.nats.prefix), generate_passwords(auth_dir))
             cfg.nats.auth_dir = str(auth_dir)
             cfg.nats.user = cfg.nats.password = cfg.nats.password_file = cfg.nats.creds_file = ""
-        server = EmbeddedNats(run_dir / "nats", authorization=authorization)
+        server.authorization = authorization
         cfg.nats.url = server.start()
     if cfg.nats.auth_dir:  # role users may not create streams: declare them as admin before any service starts
         try:

@@ -130,3 +130,36 @@ async def test_the_trainer_judges_each_trajectory_alone(nc, config, subjects, ti
     finally:
         stop.set()
         await asyncio.wait_for(running, 10.0)
+
+
+def test_a_store_serves_one_server_and_the_server_dies_with_its_parent(tmp_path) -> None:
+    """A second server on a store in use is refused with the holder's pid; the holder's server goes when
+    the holder is SIGKILLed (PDEATHSIG), and then the store is free again."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from shared.natsd import EmbeddedNats, StoreInUse, check_store_free
+
+    store = tmp_path / "nats"
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time; from shared.natsd import EmbeddedNats\n"
+        f"s = EmbeddedNats({str(store)!r}); s.start(); print(s.proc.pid, flush=True); time.sleep(600)")],
+        stdout=subprocess.PIPE, text=True, cwd=os.getcwd())
+    try:
+        server_pid = int(holder.stdout.readline())
+        with pytest.raises(StoreInUse, match=rf"in use by another nats-server or jetrl up \(pid {holder.pid}\)"):
+            EmbeddedNats(store).start()
+        with pytest.raises(StoreInUse):
+            check_store_free(store)
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    deadline = time.monotonic() + 15
+    while os.path.exists(f"/proc/{server_pid}") and "Z" not in open(f"/proc/{server_pid}/stat").read().split()[2]:
+        assert time.monotonic() < deadline, "nats-server outlived its parent"
+        time.sleep(0.1)
+    check_store_free(store)
+    with EmbeddedNats(store) as url:  # the store is free: the next run resumes on it
+        assert url.startswith("nats://")
