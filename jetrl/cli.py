@@ -50,6 +50,7 @@ from jetrl.access import close_status_api, cmd_creds, dashboard_link
 from jetrl.errors import CliError, run_cli
 from jetrl.export import add_arguments as add_export_arguments
 from jetrl.export import cmd_export
+from jetrl.logfiles import RotatingLog
 from jetrl.outcome import RunOutcome
 from jetrl.preflight import check_config
 from jetrl.schema import add_arguments as add_schema_arguments
@@ -114,21 +115,23 @@ class Supervisor:
         self.nats_child = Child([], [], started_at=time.monotonic())
         self.restarts: dict[str, int] = {}
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        self.logs: dict[str, RotatingLog] = {}  # a service's log file, rotated past supervisor.log_max_bytes
 
     def spawn(self, name: str, module_args: list[str], overrides: list[str] | None = None,
               command: list[str] | None = None, environ: dict[str, str] | None = None, cwd: str | None = None) -> None:
         child = self.children.setdefault(name, Child(module_args, list(overrides or []), command, environ, cwd))
-        log = open(self.run_dir / "logs" / f"{name}.log", "ab")
+        log = self.logs.get(name) or RotatingLog(self.run_dir / "logs" / f"{name}.log",
+                                                 self.cfg.supervisor.log_max_bytes, self.cfg.supervisor.log_backups)
+        self.logs[name] = log
         if child.restarts:
             log.write(f"=== jetrl up: restart {child.restarts} of {name} (last exit {child.last_rc}) ===\n".encode())
-            log.flush()
         child.started_at = time.monotonic()
         cmd = child.command or [sys.executable, "-m", *child.module_args, "--config", str(self.config_path),
                                 *child.overrides]
         env = dict(os.environ, PYTHONUNBUFFERED="1", **(child.environ or {}))
-        self.procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=child.cwd,
-                                            start_new_session=True, preexec_fn=die_with_parent)
-        log.close()
+        self.procs[name] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
+                                            cwd=child.cwd, start_new_session=True, preexec_fn=die_with_parent)
+        log.copy_from(self.procs[name].stdout)  # type: ignore[arg-type]
 
     def dead(self) -> list[tuple[str, int]]:
         return [(n, p.returncode) for n, p in self.procs.items() if p.poll() is not None]

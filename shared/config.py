@@ -357,6 +357,9 @@ class SupervisorConfig:
                                       "log lines")
     crash_window_s: float = opt(180.0, "a death this soon after a start counts towards a crash loop; a service "
                                        "that lived longer starts a new count")
+    log_max_bytes: int = opt(64 * 1024 * 1024, "a service's log under <run>/logs is rotated past this size "
+                                               "(<name>.log.1, ...); 0 = never")
+    log_backups: int = opt(3, "rotated logs kept per service")
 
 
 @dataclass

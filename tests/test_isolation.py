@@ -163,3 +163,27 @@ def test_a_store_serves_one_server_and_the_server_dies_with_its_parent(tmp_path)
     check_store_free(store)
     with EmbeddedNats(store) as url:  # the store is free: the next run resumes on it
         assert url.startswith("nats://")
+
+
+def test_a_service_log_rotates_between_lines_and_keeps_its_backups(tmp_path) -> None:
+    """A child that writes 2 MB of numbered lines into a log bounded at 256 KB with 2 backups: every file
+    within the bound, each starting and ending on a whole line, and the newest lines all kept in order."""
+    import subprocess
+    import sys
+
+    from jetrl.logfiles import RotatingLog
+
+    log = RotatingLog(tmp_path / "svc.log", max_bytes=256 * 1024, backups=2)
+    child = subprocess.Popen([sys.executable, "-c", "import sys\nfor i in range(40000): print(f'line {i:06d} ' + 'x' * 40)"],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    log.copy_from(child.stdout).join(timeout=60)
+    assert child.wait(timeout=10) == 0
+    files = [tmp_path / "svc.log.2", tmp_path / "svc.log.1", tmp_path / "svc.log"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["svc.log", "svc.log.1", "svc.log.2"]
+    lines = []
+    for path in files:
+        data = path.read_bytes()
+        assert 0 < len(data) <= 256 * 1024 and data.endswith(b"\n") and data.startswith(b"line "), path
+        lines += data.decode().splitlines()
+    numbers = [int(line.split()[1]) for line in lines]
+    assert numbers == list(range(numbers[0], 40000))  # the newest lines, none lost between the files
