@@ -61,6 +61,12 @@ class NatsConfig:
     episodes_max_age_s: float = opt(7 * 86400.0, "EPISODES keeps action/observation events this long")
     episodes_max_bytes: int = opt(4 * 1024**3, "EPISODES holds at most this many bytes (-1 = no bound)")
     dlq_max_bytes: int = opt(1024**3, "DLQ holds at most this many bytes (-1 = no bound)")
+    dlq_max_per_origin: int = opt(1000, "DLQ keeps at most this many letters of each service (dlq.<service>, the "
+                                        "oldest go first): a flood of refusals from one service never pushes out "
+                                        "another's letters (each letter's payload is cut at 64 KiB, so 16 "
+                                        "services fit in the default dlq_max_bytes)")
+    max_consumers: int = opt(512, "most consumers one stream or bucket may have (a client that asks for more is "
+                                  "refused): every consumer costs the server memory and work")
 
 
 @dataclass

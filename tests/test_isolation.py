@@ -187,3 +187,44 @@ def test_a_service_log_rotates_between_lines_and_keeps_its_backups(tmp_path) -> 
         lines += data.decode().splitlines()
     numbers = [int(line.split()[1]) for line in lines]
     assert numbers == list(range(numbers[0], 40000))  # the newest lines, none lost between the files
+
+
+async def test_a_flood_of_dead_letters_from_one_service_keeps_the_others_and_consumers_are_bounded(
+        nats_url, prefix, tmp_path) -> None:
+    """The DLQ's bound is per service: 300 letters from env-db past a bound of 50 leave the trainer's one
+    letter in place. Every stream and bucket (the registry's too) refuses consumers past its bound."""
+    from nats.js.api import AckPolicy, ConsumerConfig
+
+    from shared.bus import DEAD_LETTER_PAYLOAD_BYTES, connect, dead_letter, declare_topology
+    from shared.config import JetRLConfig
+    from shared.subjects import Subjects
+
+    cfg = JetRLConfig()
+    cfg.nats.url, cfg.nats.prefix = nats_url, prefix
+    cfg.nats.dlq_max_per_origin, cfg.nats.max_consumers = 50, 8
+    subjects = Subjects(prefix)
+    nc = await connect(cfg.nats, "pytest")
+    js = nc.jetstream()
+    try:
+        await declare_topology(js, subjects, cfg.nats)
+        await dead_letter(js, subjects, service="trainer", origin_subject="x", reason="poison", payload=b"t" * 10**5)
+        for i in range(300):
+            await dead_letter(js, subjects, service="env-db", origin_subject="y", reason=f"bad {i}", payload=b"?")
+        info = await js.stream_info(subjects.dlq_stream, subjects_filter=subjects.dead_letter(">"))
+        assert info.state.subjects == {subjects.dead_letter("trainer"): 1, subjects.dead_letter("env-db"): 50}
+        kept = decode((await js.get_last_msg(subjects.dlq_stream, subjects.dead_letter("trainer"))).data, DeadLetter)
+        assert len(kept.payload) == DEAD_LETTER_PAYLOAD_BYTES and kept.reason.endswith("of 100000 bytes)")
+        for stream in (subjects.traj_stream, f"KV_{subjects.registry_kv}"):
+            made = []
+            with pytest.raises(Exception, match="maximum consumers limit reached"):
+                for _ in range(9):
+                    made.append(await js.add_consumer(stream, ConsumerConfig(ack_policy=AckPolicy.NONE,
+                                                                             inactive_threshold=5.0)))
+            assert len(made) == 8
+            for c in made:
+                await js.delete_consumer(stream, c.name)
+    finally:
+        for stream in await js.streams_info():
+            if prefix in stream.config.name:
+                await js.delete_stream(stream.config.name)
+        await nc.close()
