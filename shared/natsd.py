@@ -119,6 +119,7 @@ class EmbeddedNats:
         """Take ``<store>/store.lock`` (once; a restart on the same store keeps it), or raise StoreInUse."""
         if self._lock is not None:
             return
+        self.store_dir.mkdir(parents=True, exist_ok=True)
         path = self.store_dir / "store.lock"
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
