@@ -18,6 +18,7 @@ from pathlib import Path
 
 import nats
 import pytest
+from nats.js.api import AckPolicy, ConsumerConfig
 
 from shared.auth import generate_passwords, server_authorization
 from shared.bus import connect, declare_topology
@@ -95,10 +96,11 @@ def test_jetrl_creds_writes_a_private_context_file_and_prints_a_url(run_dir, con
                                 error_cb=refused)
         n = 0
         try:
-            sub = await nc.jetstream(timeout=2.0).subscribe(ctx["jetrl_traj_subject"], ordered_consumer=True)
+            sub = await nc.jetstream(timeout=2.0).pull_subscribe(
+                ctx["jetrl_traj_subject"], stream=ctx["jetrl_traj_stream"],
+                config=ConsumerConfig(ack_policy=AckPolicy.NONE))
             while True:
-                await sub.next_msg(timeout=1.5)
-                n += 1
+                n += len(await sub.fetch(8, timeout=1.5))
         except nats.errors.TimeoutError:
             pass
         await nc.close()

@@ -3,17 +3,20 @@
     jetrl creds observer --run-dir runs/latest          # writes runs/latest/nats/observer.context.json
     python examples/readers/read_trajectories.py runs/latest/nats/observer.context.json [--max N]
 
-Every trajectory on ``<prefix>.traj.>`` since the run began, then the new ones as they come (an ordered
-consumer: the stream from its start, nothing stored server-side). Payloads are msgpack maps; their fields
-are in docs/schemas/trajectory.json. Needs only ``pip install nats-py msgpack``.
+Every trajectory on ``<prefix>.traj.>`` since the run began, then the new ones as they come, through an
+ephemeral pull consumer of the stream that this reader names (the observer may create no other kind) and
+that asks for no acks (the observer reads, it never acks). Payloads are msgpack maps; their fields are in
+docs/schemas/trajectory.json. Needs only ``pip install nats-py msgpack``.
 """
 
 import argparse
 import asyncio
 import json
+import time
 
 import msgpack
 import nats
+from nats.js.api import AckPolicy, ConsumerConfig
 
 
 async def main() -> None:
@@ -26,17 +29,22 @@ async def main() -> None:
     # the inbox prefix matters: the observer may subscribe only under it, and JetStream delivers to an inbox
     nc = await nats.connect(ctx["url"], user=ctx["user"] or None, password=ctx["password"] or None,
                             inbox_prefix=ctx["inbox_prefix"].encode())
-    sub = await nc.jetstream().subscribe(ctx["jetrl_traj_subject"], ordered_consumer=True)
-    seen = 0
+    sub = await nc.jetstream().pull_subscribe(ctx["jetrl_traj_subject"], stream=ctx["jetrl_traj_stream"],
+                                              config=ConsumerConfig(ack_policy=AckPolicy.NONE))
+    seen, idle_since = 0, time.monotonic()
     while not args.max or seen < args.max:
         try:
-            msg = await sub.next_msg(timeout=args.idle_s or None)
+            msgs = await sub.fetch(64 if not args.max else min(64, args.max - seen), timeout=1.0)
         except nats.errors.TimeoutError:
-            break
-        t = msgpack.unpackb(msg.data)
-        seen += 1
-        print(f"{t['task']} {t['episode_id']} reward {t['reward']:.2f} {t['status']} turns {len(t['turns'])}",
-              flush=True)
+            if args.idle_s and time.monotonic() - idle_since > args.idle_s:
+                break
+            continue
+        idle_since = time.monotonic()
+        for msg in msgs:
+            t = msgpack.unpackb(msg.data)
+            seen += 1
+            print(f"{t['task']} {t['episode_id']} reward {t['reward']:.2f} {t['status']} turns {len(t['turns'])}",
+                  flush=True)
     await nc.close()
 
 
