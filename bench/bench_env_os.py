@@ -48,7 +48,7 @@ def play_random(env: OSEnv, episode: OSEpisode, rng: random.Random) -> float:
             episode.call(ToolCall("bash_action", {"script": rng.choice(RANDOM_SCRIPTS)}))
             continue
         if rng.random() < 0.5:
-            return episode.call(ToolCall("finish_action", {})).reward
+            return episode.call(ToolCall("finish_action", {"thought": "done"})).reward
         return episode.call(ToolCall("answer_action", {"answer": str(rng.randint(0, 10))})).reward
     return 0.0
 
@@ -95,7 +95,7 @@ def bench_agentbench(args: argparse.Namespace) -> None:
             else:  # a task graded on the final state: finishing at once (nothing done) must fail
                 fresh = env.open(task_id, split, 0)
                 try:
-                    wrong = float(fresh.call(ToolCall("finish_action", {})).reward > 0)
+                    wrong = float(fresh.call(ToolCall("finish_action", {"thought": "done"})).reward > 0)
                 finally:
                     fresh.close()
                 if wrong:

@@ -12,7 +12,7 @@ import ssl
 import time
 import uuid
 import weakref
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import nats
@@ -41,6 +41,7 @@ from nats.js.object_store import ObjectStore
 from shared.auth import credentials, manages_topology
 from shared.config import NatsConfig
 from shared.digest import new_hasher, split_digest
+from shared.lifecycle import supervise
 from shared.messages import MAX_MESSAGE_BYTES, BadMessage, DeadLetter, Heartbeat, M, MetricsReport, decode, encode, now
 from shared.objectread import ChunkPlan, ObjectReadError, missing_internals, read_chunks
 from shared.subjects import Subjects
@@ -202,7 +203,7 @@ class Acker:
 
     def ack(self, msg: Msg, **context: Any) -> asyncio.Task[bool]:
         """Start acking ``msg``; the task's result says whether the server confirmed it."""
-        task = asyncio.create_task(self._ack(msg, context))
+        task = supervise(self._ack(msg, context), f"{self.what}_ack", None)
         self.pending.add(task)
         task.add_done_callback(self.pending.discard)
         return task
@@ -348,8 +349,36 @@ async def decode_or_dead_letter(js: JetStreamContext, subjects: Subjects, servic
     except BadMessage as exc:
         await dead_letter(js, subjects, service=service, origin_subject=msg.subject, reason=exc.reason,
                           payload=msg.data)
-        await msg.term()
+        await term_quietly(msg)
         return None
+
+
+async def term_quietly(msg: Msg) -> None:
+    """Terminate a message we will never take; a broker that is away then redelivers it, to be refused again."""
+    try:
+        await msg.term()
+    except Exception as exc:
+        log.warning("term_failed", subject=msg.subject, error=repr(exc))
+
+
+async def judge_each(js: JetStreamContext, subjects: Subjects, service: str, msgs: list[Msg],
+                     take: Callable[[Msg], Awaitable[object]]) -> None:
+    """Hand each fetched message to ``take`` on its own, so one bad message never costs the batch around it
+    (the rest would come back until their last delivery and be lost). A message whose ``take`` raises is
+    dead-lettered with the reason and terminated; a broker that is away (``TRANSIENT``) leaves it to be
+    redelivered instead: nothing valid is dead-lettered for the broker's sake."""
+    for msg in msgs:
+        try:
+            await take(msg)
+        except asyncio.CancelledError:
+            raise
+        except TRANSIENT as exc:
+            log.warning("message_left_for_redelivery", subject=msg.subject, error=repr(exc))
+        except Exception as exc:
+            log.exception("message_refused", subject=msg.subject)
+            await dead_letter(js, subjects, service=service, origin_subject=msg.subject,
+                              reason=f"{service} failed on it: {type(exc).__name__}: {exc}"[:2000], payload=msg.data)
+            await term_quietly(msg)
 
 
 async def publish_metrics(nc: Client, subjects: Subjects, role: str, replica_id: str, step: int,

@@ -102,8 +102,8 @@ def render_observation(messages: list[dict[str, Any]]) -> str:
 def parse_assistant(text: str, turn: int) -> dict[str, Any]:
     """OpenAI-format assistant message from generated text. A ``<tool_call>`` whose JSON is broken is
     passed on as ``invalid_tool_call`` so the env answers with a clear error observation; several
-    ``<tool_call>``s are all passed on (ids ``call_<turn>``, then ``call_<turn>_<k>``): an episode that takes
-    the whole message runs them all (BFCL's parallel calls), any other refuses them with an error that says so."""
+    ``<tool_call>``s are all passed on (ids ``call_<turn>``, then ``call_<turn>_<k>``): which of them run is the
+    episode's rule (``Episode.calls_per_message``; BFCL's episodes read the whole message)."""
     matches = TOOL_CALL.findall(text)
     content = TOOL_CALL.sub("", text).strip()
     message: dict[str, Any] = {"role": "assistant", "content": content}

@@ -1,6 +1,9 @@
-"""How a service stops: SIGTERM or SIGINT sets its stop event, and a watchdog makes sure the process
-is gone within a bound even when a clean shutdown cannot finish (NATS is down and a drain waits on
-it, a tool call is stuck in its thread and ``asyncio.run`` would wait for the thread pool)."""
+"""How a service lives and stops: SIGTERM or SIGINT sets its stop event, and a watchdog makes sure the
+process is gone within a bound even when a clean shutdown cannot finish (NATS is down and a drain waits
+on it, a tool call is stuck in its thread and ``asyncio.run`` would wait for the thread pool). Every
+background task runs under ``supervise``: one that raises is logged and restarted, or stops the service
+with a failure exit code so that its supervisor (``jetrl up``, compose) starts a fresh one; none dies
+unseen while the process looks alive."""
 
 from __future__ import annotations
 
@@ -9,7 +12,8 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
+from functools import partial
 from typing import Any, TypeVar
 
 import structlog
@@ -106,6 +110,56 @@ async def stop_if_connection_closed(nc: Client, stop: asyncio.Event, every_s: fl
             stop.set()
 
 
+_background: set[asyncio.Task[Any]] = set()  # asyncio keeps only weak references to running tasks
+
+
+def supervise(job: Awaitable[Any] | Callable[[], Awaitable[Any]], name: str, stop: asyncio.Event | None, *,
+              restart_s: float | None = None) -> asyncio.Task[Any]:
+    """Run ``job`` (an awaitable, or a function that makes one) as a background task that cannot die unseen.
+
+    If it raises: with ``restart_s`` (and a function) it is logged (``task_failed``, traceback included)
+    and started again ``restart_s`` later; otherwise it is logged and ``stop`` is set with the failure
+    exit code (``exit_code``), so the service ends and its supervisor restarts it. ``stop`` None is for
+    a unit of work (one message, one request) whose failure is logged only: its message comes back.
+    A service's long-lived loops never return; one that does while ``stop`` is not set is logged."""
+    async def run_job() -> Any:
+        while True:
+            try:
+                return await (job() if callable(job) else job)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                if restart_s is None or not callable(job):
+                    raise
+                log.exception("task_failed", task=name, then=f"restarting in {restart_s} s")
+                await asyncio.sleep(restart_s)
+
+    task = asyncio.create_task(run_job(), name=name)
+    _background.add(task)
+    task.add_done_callback(partial(_task_done, name, stop, job))
+    return task
+
+
+def _task_done(name: str, stop: asyncio.Event | None, job: Any, task: asyncio.Task[Any]) -> None:
+    _background.discard(task)
+    if asyncio.iscoroutine(job):  # cancelled before it started: close it (it is done otherwise, and this is a no-op)
+        job.close()
+    if task.cancelled():
+        return
+    error = task.exception()
+    if error is None:
+        if stop is not None and not stop.is_set():
+            log.warning("task_ended", task=name)
+        return
+    if stop is None:
+        log.error("task_failed", task=name, error=repr(error), exc_info=error)
+        return
+    log.error("task_failed", task=name, error=repr(error), then="stopping the service to be restarted",
+              exc_info=error)
+    _failures.append(f"task {name} failed")
+    stop.set()
+
+
 def exit_code() -> int:
-    """0, or 1 when the service stopped because it failed (see ``stop_if_connection_closed``)."""
+    """0, or 1 when the service stopped because it failed (``stop_if_connection_closed``, ``supervise``)."""
     return 1 if _failures else 0

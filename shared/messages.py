@@ -2,7 +2,7 @@
 
 Each message is a ``msgspec.Struct`` tagged by its kind. On the wire it is a msgpack map
 ``{"kind": KIND, "v": VERSION, **fields}``, the very bytes the hand-written codec wrote before
-issue 21, so any other reader (the Node client) reads our streams as it did. ``decode(data, Type)``
+earlier releases, so any other reader (the Node client) reads our streams as it did. ``decode(data, Type)``
 either returns a fully type-checked instance or raises ``BadMessage`` with the reason and the field
 path (``trajectory.tokens[17]: expected an integer >= 0``): the boundary of every service.
 
@@ -19,12 +19,13 @@ default (``tests/test_contract.py`` checks that they agree).
 
 from __future__ import annotations
 
-import re
 import sys
 import time
 from typing import Annotated, Any, ClassVar, TypeVar
 
 import msgspec
+
+from shared.msgshape import bound_error, reason_of
 
 MAX_MESSAGE_BYTES = 8 * 1024 * 1024
 """Largest message the codec accepts. nats-server's max_payload must be at least this (see natsd)."""
@@ -471,55 +472,36 @@ def encode(msg: Any) -> bytes:
 
 
 def decode(data: bytes, cls: type[M]) -> M:
-    """Decode and validate bytes into ``cls`` or raise BadMessage with the reason and field path."""
+    """Decode and validate bytes into ``cls`` or raise BadMessage with the reason and field path. Nothing
+    else ever comes out of it, whatever the bytes: this is the boundary of every service."""
     if len(data) > MAX_MESSAGE_BYTES:
         raise BadMessage(f"message is {len(data)} bytes, limit {MAX_MESSAGE_BYTES}", code=413)
     kind = cls.KIND  # type: ignore[attr-defined]
+    shape = bound_error(data, cls)  # msgspec builds a field without a schema as deep and as big as sent
+    if shape is not None:
+        raise BadMessage(f"{kind}.{shape}")
     try:
         msg = _decoder(cls).decode(data)
     except msgspec.ValidationError as exc:
-        # msgspec stops at the first wrong value; bytes that are not msgpack at all say so first
+        # msgspec stops at the first wrong value; bytes that are not msgpack at all say so first (read
+        # without building anything: the value may be what failed validation because it nests too deep)
         try:
-            msgspec.msgpack.decode(data)
+            _skipper.decode(data)
         except msgspec.DecodeError as not_msgpack:
             raise BadMessage(f"not msgpack: {not_msgpack}") from None
-        raise BadMessage(_reason(str(exc), kind)) from None
+        except Exception:  # nested too deep to skip: the validation error still says what is wrong
+            pass
+        raise BadMessage(reason_of(str(exc), kind)) from None
     except msgspec.DecodeError as exc:
         raise BadMessage(f"not msgpack: {exc}") from None
+    except RecursionError:  # a field this reader does not know, nested deeper than the decoder can skip
+        raise BadMessage(f"{kind}: nested too deep to decode") from None
+    except Exception as exc:  # nothing else is expected from the decoder; whatever comes is the message's
+        raise BadMessage(f"{kind}: undecodable ({type(exc).__name__}: {exc})") from None
     if not isinstance(msg, cls):  # a message that claims to be _NoKind
         raise BadMessage(f"expected kind {kind!r}, got {msg.__struct_config__.tag!r}")
     return msg
 
 
-# msgspec's words for types, in the codec's own (the reasons services log and dead-letter).
-_EXPECTED = {"int": "an integer", "float": "a number", "array": "a list", "object": "a map"}
-_GOT = {"array": "list", "object": "map"}
-_FINITE = f"`float` >= {-sys.float_info.max!r}"  # LogProb's lower bound, which only -inf and NaN miss
-
-
-def _reason(error: str, kind: str) -> str:
-    """``Expected `int`, got `str` - at `$.turns[0].start``` -> ``trajectory.turns[0].start:
-    expected an integer, got str``: the field path first, in the codec's words."""
-    text, _, where = error.partition(" - at `")
-    where = where.removesuffix("`")
-    if where.startswith("key` in `"):  # a map key: "key` in `$.metrics"
-        where = where.removeprefix("key` in `") + " key"
-    path = kind + where.removeprefix("$") if where else kind
-    if where == "$.kind" or (not where and text.endswith("field `kind`")):
-        got = re.search(r"Invalid value (.*)|got `(\w+)`", text)  # a wrong value or type; else missing
-        return f"expected kind {kind!r}, got {got[1] or got[2] if got else None}"
-    if not where and text.startswith("Expected `object`"):  # the message itself is no map
-        got = text.rsplit("`", 2)[-2]
-        return f"expected a msgpack map, got {_GOT.get(got, got)}"
-    if text.startswith("Expected " + _FINITE):
-        return f"{path}: expected a finite number"
-    missing = re.fullmatch(r"Object missing required field `(\w+)`", text)
-    if missing:
-        return f"{path}: missing field {missing[1]!r}"
-    typed = re.fullmatch(r"Expected `(\w+)`(.*)", text)
-    if typed:
-        rest = re.sub(r"got `(\w+)`", lambda m: "got " + _GOT.get(m[1], m[1]), typed[2])
-        return f"{path}: expected {_EXPECTED.get(typed[1], typed[1])}{rest}"
-    if not where:  # raised by a __post_init__: already names the message
-        return text
-    return f"{path}: {text[:1].lower()}{text[1:]}"
+_skipper = msgspec.msgpack.Decoder(msgspec.Raw)
+"""Walks one msgpack value without building it: is it msgpack at all?"""

@@ -209,6 +209,52 @@ def test_oversize_is_refused_both_ways() -> None:
         decode(b"\x00" * (MAX_MESSAGE_BYTES + 1), Trajectory)
 
 
+def test_decode_raises_only_bad_message_however_deep_or_many_the_containers() -> None:
+    """msgpack nested 1,000 deep (1,001 bytes) made msgspec raise RecursionError; every message type now
+    refuses it, as the top-level value, inside a field it decodes without a schema, and in a field it does
+    not know, with a BadMessage; so do millions of empty containers and every truncation of them."""
+    nested = b"\x91" * 1000 + b"\x00"
+    for cls in MESSAGES:
+        field = msgspec.msgpack.encode({"kind": cls.KIND, "v": 1})
+        unknown = b"\x83" + field[1:] + msgspec.msgpack.encode("not_a_field") + nested
+        for data in (nested, unknown, nested[:500], b"\xdd\xff\xff\xff\xff" + b"\x90" * 3):
+            with pytest.raises(BadMessage):
+                decode(data, cls)
+    step = msgspec.msgpack.encode({"kind": "env_step", "v": 1, "finish": False, "reward": 0.0, "status": "s",
+                                   "messages": [{"content": 1}]})
+    deep_field = step.replace(b"\x81\xa7content\x01", b"\x81\xa7content" + b"\x91" * 64 + b"\x01")
+    with pytest.raises(BadMessage, match="env_step.messages: nested more than 64 arrays or maps deep"):
+        decode(deep_field, EnvStep)
+    shallow = step.replace(b"\x81\xa7content\x01", b"\x81\xa7content" + b"\x91" * 60 + b"\x01")
+    assert decode(shallow, EnvStep).messages[0]["content"] == nest_lists(60, [1])  # 63 deep in all: accepted
+    many = step.replace(b"\x81\xa7content\x01", b"\x81\xa7content\xdd" + (200_000).to_bytes(4, "big")
+                        + b"\x90" * 200_000)
+    with pytest.raises(BadMessage, match="more than 100000 arrays and maps"):
+        decode(many, EnvStep)
+
+
+def test_shape_walk_counts_scalar_runs_across_container_ends() -> None:
+    """The walk matches runs of scalars in one go; a run that ends a container and goes on in the one
+    around it must still close each at the right place (a wrong count would misjudge the depth)."""
+    from shared.msgshape import shape_error
+    value = {"a": [[1, 2.5, None, True, -3, 70000], 4, [[[5]]]], "b": [b"x" * 300, "y" * 40, [6, 7] * 30]}
+    assert shape_error(msgspec.msgpack.encode(value)) is None
+    for depth in (1, 10, 64):
+        assert shape_error(msgspec.msgpack.encode(nest_lists(depth, [1, 2, 3]) + [4])) is None
+    assert "nested more than 64" in shape_error(msgspec.msgpack.encode(nest_lists(65, [1]) + [2]))
+    assert shape_error(msgspec.msgpack.encode([nest_lists(63, [1]), *range(100)])) is None
+    assert shape_error(msgspec.msgpack.encode([1, 2, 3] * 5 + [nest_lists(63, [1])])) is None  # 64 deep
+    assert shape_error(msgspec.msgpack.encode([1, 2, 3] * 5 + [nest_lists(64, [1])])) is not None  # 65
+    assert shape_error(b"\xc1") is None and shape_error(b"") is None  # not msgpack: the decoder says so
+
+
+def nest_lists(depth: int, inner: list) -> list:
+    value = inner
+    for _ in range(depth - 1):
+        value = [value]
+    return value
+
+
 def test_subjects_are_namespaced_and_tokens_checked() -> None:
     s = Subjects("run1")
     assert s.traj("db") == "run1.traj.db"

@@ -94,6 +94,9 @@ async def test_dashboard_json_from_real_streams(nc, config, subjects) -> None:
             await js.publish(subjects.observation("db", "e-live"), encode(ObservationEvent(
                 episode_id="e-live", task="db", turn=turn, messages=[{"role": "tool", "content": f"rows {turn}"}],
                 reward=0.0, finish=False, status="running")))
+        nested = b"\x91" * 1000 + b"\x00"  # an event no reader can decode: listed, never a 500
+        await js.publish(subjects.observation("db", "e-live"), nested)
+        await js.publish(subjects.action("db", "e-bad"), nested)
         t0 = time.time()
         for step in (1, 2):
             await publish_metrics(nc, subjects, "trainer", "trainer-x", step, {
@@ -149,6 +152,9 @@ async def test_dashboard_json_from_real_streams(nc, config, subjects) -> None:
             assert one["turns"][1]["action"]["tool_calls"][0]["function"]["name"] == "execute_sql"
             assert one["turns"][1]["observation"] == [{"role": "tool", "content": "rows 1"}]
             assert (await client.get("/api/episodes/nope")).status_code == 404
+            assert [e["reason"] for e in one["unreadable_events"]] == ["expected a msgpack map, got list"]
+            bad = await client.get("/api/episodes/e-bad")
+            assert bad.status_code == 422 and "expected a msgpack map" in bad.json()["detail"], bad.text
 
             # follow: the two turns so far, then the final one as it is published, then the end
             async def finish_later() -> None:

@@ -26,6 +26,7 @@ from services.envs.base import ToolCall, ToolError  # noqa: E402
 from services.envs.host import EnvHost  # noqa: E402
 from shared.config import AlfworldTaskConfig, EnvConfig  # noqa: E402
 from shared.envapi import EnvClient  # noqa: E402
+from tests.host_turns import HostSession, assistant_calls  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -346,3 +347,29 @@ def test_planner_oracle_wins_the_games_the_expert_loses(env: AlfworldEnv) -> Non
             assert (reward, status) == (1.0, "completed") and rounds <= 20, task_id
     finally:
         planner_env.close()
+
+
+def test_no_generated_games_on_a_fresh_data_dir(tmp_path: Path) -> None:
+    """num_train_tasks = num_test_tasks = 0 (real game files only, or none yet) on a data_dir never used:
+    empty splits, no error."""
+    env = make_env(EnvConfig(task="alfworld", data_dir=str(tmp_path / "fresh"), num_train_tasks=0,
+                             num_test_tasks=0, alfworld=AlfworldTaskConfig(pool_size=1, prefetch=0)))
+    try:
+        assert env.task_ids("train") == env.task_ids("test") == []
+    finally:
+        env.close()
+
+
+async def test_several_calls_in_one_message_run_the_first_as_agentbench(env: AlfworldEnv) -> None:
+    """AgentBench's ALFWorld task runs a message's first call and drops the others: one answer, one round."""
+    task_id = won(env, "train")[0] if won(env, "train") else env.task_ids("train")[0]
+    session = HostSession(env, env.cfg)
+    try:
+        started = await session.start(task_id, "train")
+        assert started.max_turns == 20
+        step = await session.turn(assistant_calls(("take_action", {"action": "look"}),
+                                                  ("take_action", {"action": "inventory"})))
+        assert [m["tool_call_id"] for m in step.messages] == ["c0"] and not step.finish
+        assert "not carrying" not in step.messages[0]["content"] and step.metrics["turns"] == 1.0  # no inventory
+    finally:
+        await session.close()

@@ -129,7 +129,7 @@ def test_jetrl_eval_suite_bfcl_runs_a_slice_against_smollm2(tmp_path: Path) -> N
 
 
 def test_unreadable_calls_count_against_the_well_formed_rate() -> None:
-    from services.envs.host import malformed
+    from services.envs.calls import malformed
 
     assert malformed({"role": "assistant", "content": "", "invalid_tool_call": "not JSON"})
     assert malformed(reply({"id": "c", "type": "function", "function": {"name": "f", "arguments": "{oops"}}))

@@ -18,6 +18,7 @@ from services.envs.db.tasks import Table
 from services.envs.host import EnvHost
 from shared.config import DBTaskConfig, EnvConfig, JetRLConfig
 from shared.envapi import EnvClient
+from tests.host_turns import HostSession, assistant_calls
 
 
 def sql(query: str) -> ToolCall:
@@ -331,3 +332,24 @@ async def test_served_over_nats_oracle_episodes_and_bad_actions(config, subjects
     finally:
         await host.shutdown()
         await service.stop()
+
+
+# ----------------------------------------------------------------------------- several calls in one message
+async def test_several_calls_in_one_message_all_run_in_order_as_agentbench(env) -> None:
+    """AgentBench's dbbench runs every call of a message in order, each answered (a bad one with its error),
+    until commit_final_answer ends the episode: the calls after it do not run."""
+    task_id = env.task_ids("train")[0]
+    session = HostSession(env, EnvConfig(num_train_tasks=180, num_test_tasks=60))
+    try:
+        await session.start(task_id, "train")
+        step = await session.turn(assistant_calls(("execute_sql", {"query": "SELECT 1 + 1"}), ("drop_everything", {}),
+                                          ("execute_sql", {"query": "SELECT 40 + 2"})))
+        assert [m["tool_call_id"] for m in step.messages] == ["c0", "c1", "c2"] and not step.finish
+        assert [m["content"] for m in step.messages][::2] == ["[(2,)]", "[(42,)]"]
+        assert "Unknown tool" in step.messages[1]["content"] and step.metrics["turns"] == 1.0
+        assert step.metrics["invalid_actions"] == 1.0
+        step = await session.turn(assistant_calls(("commit_final_answer", {"answers": ["?"]}),
+                                          ("execute_sql", {"query": "SELECT 3"})))
+        assert step.finish and step.status == "completed" and [m["tool_call_id"] for m in step.messages] == ["c0"]
+    finally:
+        await session.close()

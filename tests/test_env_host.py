@@ -117,6 +117,29 @@ async def test_many_sessions_on_a_bounded_pool_keep_each_sessions_order(nc, subj
     assert host.sessions == {} and all(e.closed for e in env.episodes)
 
 
+async def test_an_undecodable_request_on_any_endpoint_gets_a_coded_reply_and_the_replica_serves_on(
+        nc, subjects) -> None:
+    """msgpack nested 1,000 deep on every endpoint: each gets a 400 naming the reason (never a 500), the
+    request is dead-lettered, and the same session then plays on."""
+    env = NoteEnv()
+    host = EnvHost(env, EnvConfig(task="note", max_sessions=4), subjects, "env-note-3")
+    service = await host.serve(nc, nc.jetstream())
+    client = EnvClient(nc, subjects, "note", timeout_s=10.0)
+    nested = b"\x91" * 1000 + b"\x00"
+    try:
+        opened = await client.start("s0", "t0")
+        for subject in (subjects.env_start("note"), subjects.env_tasks("note"), subjects.env_interact("note", opened.replica_id),
+                        subjects.env_cancel("note", opened.replica_id), subjects.env_oracle("note", opened.replica_id)):
+            reply = await nc.request(subject, nested, timeout=10.0)
+            assert reply.headers and reply.headers.get("Nats-Service-Error-Code") == "400", (subject, reply.headers)
+            assert reply.headers.get("Nats-Service-Error") == "expected a msgpack map, got list", reply.headers
+        step = await client.interact(opened.replica_id, "s0", note(7), turn=0)
+        assert not step.finish and env.episodes[0].seen == [7]
+    finally:
+        await service.stop()
+        await host.shutdown()
+
+
 async def test_a_stuck_tool_gives_its_slot_back_and_the_others_go_on(nc, subjects) -> None:
     """One worker thread: a tool past action_timeout_s ends its episode (env_timeout) and frees the slot,
     so the next session's call runs while the stuck one still sleeps; its episode is closed after it."""

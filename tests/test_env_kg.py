@@ -34,6 +34,7 @@ from services.envs.kg.questions import (
 )
 from shared.config import EnvConfig
 from shared.envapi import EnvClient
+from tests.host_turns import HostSession, assistant_calls
 
 
 @pytest.fixture(scope="module")
@@ -450,3 +451,46 @@ def test_an_agentbench_dev_question_on_a_freebase_slice(agentbench: Path, tmp_pa
     assert episode.opening()[-1]["content"].startswith("what position did pat connaughton")
     result = play(episode, env.oracle)
     assert (result.reward, result.metrics["f1"]) == (1.0, 1.0) and episode.calls == len(question["actions"])
+
+
+def test_agentbench_questions_open_with_agentbench_s_published_one_shot(env: KGEnv, tmp_path: Path) -> None:
+    """env.kg.one_shot: AgentBench's own questions (split dev) open with the example AgentBench publishes
+    (its ONE_SHOT, as published), generated ones with the example of our graph."""
+    from services.envs.kg import agentbench_one_shot, one_shot_example
+
+    (tmp_path / "questions.json").write_text(json.dumps(ROCKET_QUESTIONS))
+    cfg = EnvConfig(task="kg", num_train_tasks=12, num_test_tasks=6)
+    cfg.kg.one_shot, cfg.kg.agentbench_file = True, str(tmp_path / "questions.json")
+    served = KGEnv(cfg, graph=env.graph)
+    published = agentbench_one_shot()
+    assert published[0]["content"].startswith("Question: the bipropellant rocket engine with kerosene and "
+                                              "gas-generator cycle is designed by who?")
+    assert published[-1]["content"].endswith("Final Answer: #3") and len(published) == 14
+    dev = served.open("rockets-0", "dev", 0).opening()
+    assert dev[1:-1] == published and dev[-1]["content"].startswith(ROCKET_QUESTIONS[0]["question"])
+    assert served.open(env.task_ids("test")[0], "test", 0).opening()[1:-1] == one_shot_example()
+    from shared.chat import render_opening
+
+    text = render_opening(dev, TOOLS)
+    assert text.count("<|im_start|>assistant") == sum(m["role"] == "assistant" for m in published) + 1
+
+
+async def test_several_calls_in_one_message_all_run_in_order_as_agentbench(env: KGEnv) -> None:
+    """AgentBench's KG task runs every call of a message in order, each answered: a later call may use the
+    variable an earlier one of the same message made."""
+    task = env.tasks["train"][0]
+    entity = next(iter(task["entities"]))
+    relation = env.open(task["qid"], "train", 0).call(ToolCall("get_relations", {"variable": entity})).content
+    relation = relation.removeprefix("Observation: [").split(",")[0].rstrip("]")
+    calls = [("get_relations", {"variable": entity}), ("get_neighbors", {"variable": entity, "relation": relation}),
+             ("get_relations", {"variable": "#0"})]
+    session = HostSession(env, EnvConfig(task="kg", num_train_tasks=12, num_test_tasks=6))
+    try:
+        await session.start(task["qid"], "train")
+        step = await session.turn(assistant_calls(*calls[:2], ("no_such_tool", {}), calls[2]))
+        assert [m["tool_call_id"] for m in step.messages] == ["c0", "c1", "c2", "c3"] and not step.finish
+        assert "variable #0" in step.messages[1]["content"] and "no_such_tool" in step.messages[2]["content"]
+        assert step.messages[3]["content"].startswith("Observation: [")
+        assert step.metrics["turns"] == 1.0
+    finally:
+        await session.close()

@@ -7,6 +7,7 @@ it is bwrap's. Only the disk cap differs: it needs a storage driver that can enf
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -14,9 +15,10 @@ import pytest
 
 from services.envs.base import ToolCall
 from services.envs.os_task import OSEnv, OSEpisode
-from services.envs.os_task.sandbox import DEBIAN_BASE, build_docker_images, docker_disk_cap
+from services.envs.os_task.docker_sandbox import DEBIAN_BASE, build_docker_images, docker_disk_cap
+from services.envs.os_task.sandbox import Limits, sandbox_nofile
 from shared.config import EnvConfig, OSTaskConfig
-from tests.sandbox_checks import assert_limits_hold
+from tests.sandbox_checks import BEHAVIOUR_TASKS, assert_behaves_like_agentbenchs_container, assert_limits_hold
 
 PREFIX = "jetrl-os"
 
@@ -154,3 +156,16 @@ def test_docker_packages_image_has_npm(env: OSEnv, client) -> None:  # noqa: ANN
         with env.sandbox(variant) as box:
             res = box.shell('[ -x "$(command -v npm)" ] && echo installed || echo not-yet', 10)
             assert res["output"] == expect + "\n"
+
+
+async def test_docker_container_behaves_like_agentbenchs(env: OSEnv, tmp_path: Path) -> None:
+    """The behaviour checks both backends pass (tests/sandbox_checks.py), on docker: the container's open-file
+    limit is set to Docker's default whatever dockerd inherited."""
+    (tmp_path / "box.json").write_text(json.dumps(BEHAVIOUR_TASKS))
+
+    def make_env(action_timeout_s: float) -> OSEnv:
+        return OSEnv(EnvConfig(task="os", num_train_tasks=0, num_test_tasks=0, action_timeout_s=action_timeout_s,
+                               os=OSTaskConfig(backend="docker", docker_prefix=PREFIX,
+                                               agentbench_test=[str(tmp_path / "box.json")])))
+
+    await assert_behaves_like_agentbenchs_container(make_env, sandbox_nofile(Limits()))

@@ -159,6 +159,20 @@ async def test_action_timeout_ends_the_episode_and_frees_it_only_after_its_tool_
     assert env.finished_calls == 1 and env.episodes[0].closed_at is not None
 
 
+async def test_a_call_the_episode_bounds_itself_waits_past_the_action_timeout() -> None:
+    """``Episode.call_timeout_s``: a call the episode gives its own longer bound (OS grading) is waited for,
+    the others still end at env.action_timeout_s."""
+    env = SlowEnv(delay_s=0.6)
+    host = EnvHost(env, EnvConfig(action_timeout_s=0.2), Subjects("t"), "r1")
+    await host.start(encode(EnvStart(session_id="s", task_id="t0")))
+    env.episodes[0].call_timeout_s = lambda tool: 5.0 if tool.arguments["n"] == 1 else None  # type: ignore[method-assign]
+    step = decode(await host.interact(encode(EnvInteract(session_id="s", message=work(1), turn=0))), EnvStep)
+    assert not step.finish and step.messages[0]["content"] == "done 1"
+    step = decode(await host.interact(encode(EnvInteract(session_id="s", message=work(2), turn=1))), EnvStep)
+    assert step.finish and step.status == "env_timeout" and "longer than 0.2s" in step.messages[0]["content"]
+    await asyncio.sleep(0.7)
+
+
 async def test_several_tool_calls_in_one_message_get_a_clear_error_and_none_runs() -> None:
     env = SlowEnv(delay_s=0.0)
     host = EnvHost(env, EnvConfig(), Subjects("t"), "r1")

@@ -3,20 +3,19 @@
     jetrl creds observer --run-dir runs/latest          # writes runs/latest/nats/observer.context.json
     python examples/readers/read_trajectories.py runs/latest/nats/observer.context.json [--max N]
 
-Every trajectory on ``<prefix>.traj.>`` since the run began, then the new ones as they come, through an
-ephemeral pull consumer of the stream that this reader names (the observer may create no other kind) and
-that asks for no acks (the observer reads, it never acks). Payloads are msgpack maps; their fields are in
-docs/schemas/trajectory.json. Needs only ``pip install nats-py msgpack``.
+Every trajectory on ``<prefix>.traj.>`` since the run began, then the new ones as they come (an ephemeral
+pull consumer: the stream from its start, in order, dropped by the server when the reader goes). nats-py names
+it in the API subject (``CONSUMER.CREATE.<stream>.<name>.<filter>``), the only way the observer may create one:
+its ``subscribe(..., ordered_consumer=True)`` uses the bare ``CONSUMER.CREATE.<stream>``, which is refused. Payloads are msgpack maps; their fields
+are in docs/schemas/trajectory.json. Needs only ``pip install nats-py msgpack``.
 """
 
 import argparse
 import asyncio
 import json
-import time
 
 import msgpack
 import nats
-from nats.js.api import AckPolicy, ConsumerConfig
 
 
 async def main() -> None:
@@ -29,17 +28,17 @@ async def main() -> None:
     # the inbox prefix matters: the observer may subscribe only under it, and JetStream delivers to an inbox
     nc = await nats.connect(ctx["url"], user=ctx["user"] or None, password=ctx["password"] or None,
                             inbox_prefix=ctx["inbox_prefix"].encode())
-    sub = await nc.jetstream().pull_subscribe(ctx["jetrl_traj_subject"], stream=ctx["jetrl_traj_stream"],
-                                              config=ConsumerConfig(ack_policy=AckPolicy.NONE))
-    seen, idle_since = 0, time.monotonic()
+    sub = await nc.jetstream().pull_subscribe(ctx["jetrl_traj_subject"], stream=ctx["jetrl_traj_stream"])
+    seen, idle = 0, 0.0
     while not args.max or seen < args.max:
         try:
-            msgs = await sub.fetch(64 if not args.max else min(64, args.max - seen), timeout=1.0)
-        except nats.errors.TimeoutError:
-            if args.idle_s and time.monotonic() - idle_since > args.idle_s:
+            msgs = await sub.fetch(min(64, args.max - seen) if args.max else 64, timeout=1.0)
+        except (nats.errors.TimeoutError, TimeoutError):
+            idle += 1.0
+            if args.idle_s and idle >= args.idle_s:
                 break
             continue
-        idle_since = time.monotonic()
+        idle = 0.0
         for msg in msgs:
             t = msgpack.unpackb(msg.data)
             seen += 1

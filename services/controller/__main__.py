@@ -16,7 +16,7 @@ from services.controller.controller import Controller
 from shared.auth import controller_token, manages_topology
 from shared.bus import connect, declare_topology, heartbeat_loop, replica_name
 from shared.config import from_argv
-from shared.lifecycle import close_connection, exit_code, install_stop, stop_if_connection_closed
+from shared.lifecycle import close_connection, exit_code, install_stop, stop_if_connection_closed, supervise
 from shared.log import setup_logging
 from shared.subjects import Subjects
 
@@ -39,7 +39,7 @@ async def main(argv: list[str]) -> None:
     async with AsyncExitStack() as stack:
         nc = await connect(cfg.nats, replica_id, role="controller")
         stack.push_async_callback(close_connection, nc)
-        watch = asyncio.create_task(stop_if_connection_closed(nc, stop))
+        watch = supervise(stop_if_connection_closed(nc, stop), "connection_watch", stop)
         stack.callback(watch.cancel)
         js = nc.jetstream()
         await declare_topology(js, subjects, cfg.nats, cfg.controller.heartbeat_ttl_s, role="controller")
@@ -47,10 +47,12 @@ async def main(argv: list[str]) -> None:
         controller.creates_durables = manages_topology(cfg.nats, "controller")
         await controller.follow_metrics_and_weights()
         server = uvicorn.Server(uvicorn.Config(create_app(controller, controller_token(cfg.controller)), log_level="warning", lifespan="off"))
-        for job in (server.serve(sockets=[sock]), controller.track_trajectories(), controller.watch_replicas(),
-                    controller.board.follow(nc, js, lambda: len(controller.finished)),
-                    heartbeat_loop(js, subjects, "controller", replica_id, {"url": url})):
-            bg = asyncio.create_task(job)
+        jobs = {"http_api": lambda: server.serve(sockets=[sock]), "trajectory_tracking": controller.track_trajectories,
+                "replica_watch": controller.watch_replicas,
+                "episode_board": lambda: controller.board.follow(nc, js, lambda: len(controller.finished)),
+                "heartbeat": lambda: heartbeat_loop(js, subjects, "controller", replica_id, {"url": url})}
+        for name, job in jobs.items():  # the HTTP server listens on one socket: if it fails, the service restarts
+            bg = supervise(job, name, stop, restart_s=None if name == "http_api" else 1.0)
             stack.callback(bg.cancel)
         stack.callback(lambda: setattr(server, "should_exit", True))
         log.info("controller_ready", url=url, tasks=cfg.controller.tasks, group_size=cfg.controller.group_size)
@@ -64,7 +66,7 @@ async def main(argv: list[str]) -> None:
             (run_dir / "eval.json").write_text(json.dumps(report, indent=2) + "\n")
             log.info("eval_done", report=report)
             return
-        publisher = asyncio.create_task(controller.publish_jobs(stop))
+        publisher = supervise(controller.publish_jobs(stop), "job_publisher", None)  # logged; fail() says why
 
         def publisher_done(task: asyncio.Task[None]) -> None:
             if not task.cancelled() and task.exception() is not None:

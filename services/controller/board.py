@@ -254,14 +254,19 @@ class RunBoard:
         return self.subjects.action(task, episode_id).replace(".act.", ".*.", 1)
 
     async def read_episode(self, js: JetStreamContext, episode_id: str, timeout_s: float = 1.0) -> dict[str, Any]:
-        """The episode's events so far from the EPISODES stream, merged turn by turn."""
-        events = [e async for e in self.episode_events(js, episode_id, follow=False, timeout_s=timeout_s)]
-        return self.assemble(episode_id, events)
+        """The episode's events so far from the EPISODES stream, merged turn by turn; events that cannot be
+        read are listed with the reason (``unreadable_events``)."""
+        unreadable: list[dict[str, str]] = []
+        events = [e async for e in self.episode_events(js, episode_id, follow=False, timeout_s=timeout_s,
+                                                         unreadable=unreadable)]
+        return self.assemble(episode_id, events) | {"unreadable_events": unreadable}
 
-    async def episode_events(self, js: JetStreamContext, episode_id: str, follow: bool,
-                             timeout_s: float = 1.0) -> AsyncIterator[ActionEvent | ObservationEvent]:
+    async def episode_events(self, js: JetStreamContext, episode_id: str, follow: bool, timeout_s: float = 1.0,
+                             unreadable: list[dict[str, str]] | None = None,
+                             ) -> AsyncIterator[ActionEvent | ObservationEvent]:
         """Every event of one episode in stream order; with ``follow``, then the new ones as they land,
-        until the episode finishes (an observation with ``finish``) or the caller stops iterating."""
+        until the episode finishes (an observation with ``finish``) or the caller stops iterating. One that
+        cannot be decoded is skipped, and noted in ``unreadable`` (subject and reason) when given."""
         config = ConsumerConfig(deliver_policy=DeliverPolicy.ALL, ack_policy=AckPolicy.NONE,
                                 filter_subject=self.episode_subject(episode_id), inactive_threshold=30.0,
                                 mem_storage=True)
@@ -280,6 +285,8 @@ class RunBoard:
                         event = decode(msg.data, ActionEvent if ".act." in msg.subject else ObservationEvent)
                     except BadMessage as exc:
                         log.warning("bad_episode_event", subject=msg.subject, reason=exc.reason)
+                        if unreadable is not None:
+                            unreadable.append({"subject": msg.subject, "reason": exc.reason})
                         continue
                     yield event
                     if isinstance(event, ObservationEvent) and event.finish:

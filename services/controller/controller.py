@@ -31,6 +31,7 @@ from typing import Any
 
 import structlog
 from nats.aio.client import Client
+from nats.aio.msg import Msg
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
@@ -38,10 +39,11 @@ from nats.js.errors import NotFoundError
 from services.controller.board import RunBoard
 from services.controller.report import eval_report
 from services.controller.sources import Replicas, checked_report
-from shared.bus import TRANSIENT, decode_or_dead_letter, publish_retrying
+from shared.bus import TRANSIENT, decode_or_dead_letter, judge_each, publish_retrying
 from shared.config import JetRLConfig
 from shared.consumers import bind_durable, controller_consumer
 from shared.envapi import EnvClient, EnvError
+from shared.lifecycle import supervise
 from shared.messages import (
     BadMessage,
     EpisodeJob,
@@ -175,7 +177,7 @@ class Controller:
         stops (``jetrl up`` ends the run on it with the reason; a reader that joins late still hears it)."""
         self.state = f"failed: {error}"
         log.error("plan_failed", error=repr(error))
-        self._failure_announcer = asyncio.create_task(self._announce_failure(str(error)))
+        self._failure_announcer = supervise(self._announce_failure(str(error)), "failure_announcer", None)
 
     async def _announce_failure(self, reason: str, every_s: float = 5.0) -> None:
         while not self.nc.is_closed:
@@ -400,11 +402,13 @@ class Controller:
                 log.warning("trajectory_fetch_failed", error=repr(exc))
                 await asyncio.sleep(0.5)
                 continue
-            for msg in msgs:  # a bad one is dead-lettered and terminated by the shared helper
-                traj = await decode_or_dead_letter(self.js, self.subjects, "controller", msg, Trajectory)
-                if traj is not None:
-                    self.on_trajectory(traj)
-                    await msg.ack()
+            await judge_each(self.js, self.subjects, "controller", msgs, self._take_trajectory)
+
+    async def _take_trajectory(self, msg: Msg) -> None:
+        traj = await decode_or_dead_letter(self.js, self.subjects, "controller", msg, Trajectory)
+        if traj is not None:
+            self.on_trajectory(traj)
+            await msg.ack()
 
     def on_trajectory(self, traj: Trajectory) -> None:
         if traj.episode_id in self.finished:

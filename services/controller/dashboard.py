@@ -6,7 +6,8 @@
 * ``GET /api/dashboard``: every number the dashboard shows (``RunBoard.snapshot``); the page polls it.
 * ``GET /api/episodes?task=&split=&status=&min_reward=&max_reward=&min_version=&max_version=&limit=``:
   running and finished episodes, newest first (``status=running``: only those still playing).
-* ``GET /api/episodes/{id}``: one episode turn by turn, from the EPISODES stream.
+* ``GET /api/episodes/{id}``: one episode turn by turn, from the EPISODES stream; events that cannot be
+  read are listed (``unreadable_events``), and an episode with nothing else answers 422 with the reason.
 * ``GET /api/episodes/{id}/follow``: the same as server-sent events, one per event, live until the
   episode finishes (``event: turn``, then ``event: end``).
 """
@@ -20,7 +21,7 @@ from typing import Any
 from urllib.parse import quote
 
 from litestar import Request, Router, get
-from litestar.exceptions import NotFoundException, ValidationException
+from litestar.exceptions import ClientException, NotFoundException, ValidationException
 from litestar.response import Redirect, Response, ServerSentEvent
 from litestar.response.sse import ServerSentEventMessage
 from litestar.static_files import create_static_files_router
@@ -71,6 +72,9 @@ def dashboard_routes(controller: Controller) -> list[Any]:
         episode_id = request.path_params["episode_id"]
         out = await board.read_episode(controller.js, episode_id)
         if not out["turns"] and out["summary"] is None and not out["running"]:
+            if out["unreadable_events"]:  # there is such an episode, but nothing of it can be shown
+                raise ClientException(status_code=422, detail=f"episode {episode_id!r}: its events in the EPISODES "
+                                      f"stream cannot be read ({out['unreadable_events'][0]['reason']})")
             raise NotFoundException(f"no episode {episode_id!r} in the EPISODES stream")
         return out
 

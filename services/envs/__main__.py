@@ -10,7 +10,7 @@ from contextlib import AsyncExitStack
 from services.envs.host import EnvHost
 from shared.bus import connect, declare_topology, heartbeat_loop, replica_name
 from shared.config import from_argv
-from shared.lifecycle import close_connection, exit_code, install_stop, run, stop_if_connection_closed
+from shared.lifecycle import close_connection, exit_code, install_stop, run, stop_if_connection_closed, supervise
 from shared.log import setup_logging
 from shared.readiness import build_announced
 from shared.subjects import Subjects, check_token
@@ -42,20 +42,21 @@ async def main(argv: list[str]) -> None:
     async with AsyncExitStack() as stack:
         nc = await connect(cfg.nats, replica_id, role="env")
         stack.push_async_callback(close_connection, nc)
-        watch = asyncio.create_task(stop_if_connection_closed(nc, stop))
+        watch = supervise(stop_if_connection_closed(nc, stop), "connection_watch", stop)
         stack.callback(watch.cancel)
         js = nc.jetstream()
         await declare_topology(js, subjects, cfg.nats, cfg.controller.heartbeat_ttl_s, role="env")
         # heartbeats from now on: while the task data builds they say so (the controller waits for it)
         info = {"task": task, "max_sessions": cfg.env.max_sessions}
-        beats = asyncio.create_task(heartbeat_loop(js, subjects, f"env-{task}", replica_id, info))
+        beats = supervise(lambda: heartbeat_loop(js, subjects, f"env-{task}", replica_id, info), "heartbeat", stop,
+                          restart_s=1.0)
         stack.callback(beats.cancel)
         env = await build_announced(info, lambda: make_env(cfg.env))
         host = EnvHost(env, cfg.env, subjects, replica_id)
         service = await host.serve(nc, js)
         stack.push_async_callback(host.shutdown)
         stack.push_async_callback(service.stop)
-        reaper = asyncio.create_task(host.reap_idle())
+        reaper = supervise(host.reap_idle, "idle_reaper", stop, restart_s=1.0)
         stack.callback(reaper.cancel)
         log.info("env_ready", task=task, train_tasks=len(env.task_ids("train")), test_tasks=len(env.task_ids("test")))
         await stop.wait()

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
+
+CallsPerMessage = Literal["one", "first", "all"]
 
 
 @dataclass
@@ -44,6 +46,11 @@ class ToolError(Exception):
 
 class Episode(ABC):
     max_turns: int = 15
+    calls_per_message: CallsPerMessage = "one"
+    """What the host runs of an assistant message with several tool calls, AgentBench's rule for the task:
+    ``all`` of them in order, until one ends the episode, each call's result returned (its DB and KG tasks);
+    the ``first`` only, the others dropped unanswered (its OS, ALFWorld and WebShop tasks); or (``one``, for
+    tasks AgentBench has no rule for) none, with an error saying so. A message is one turn whatever the rule."""
     takes_whole_message: bool = False
     """True: the host hands each assistant message as it is to ``respond`` (every tool call of it: BFCL grades
     parallel calls) instead of checking and running its first call with ``call`` / ``reply``."""
@@ -60,6 +67,11 @@ class Episode(ABC):
     @abstractmethod
     def call(self, tool: ToolCall) -> ToolResult:
         """Run one tool call. Raise ToolError for a bad call; the host turns it into an observation."""
+
+    def call_timeout_s(self, tool: ToolCall) -> float | None:
+        """How long the host waits for this call, where the episode bounds it itself and needs longer than
+        ``env.action_timeout_s`` (OS grading: check scripts run without the agent's time limit); None: that."""
+        return None
 
     def reply(self, content: str) -> ToolResult:
         """An assistant turn with no tool call. Most tasks refuse it; AgentBench's KG task takes its

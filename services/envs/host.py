@@ -30,9 +30,19 @@ from nats.js import JetStreamContext
 from nats.micro import add_service
 from nats.micro.request import Request, ServiceError
 
-from services.envs.base import Episode, TaskEnv, ToolCall, ToolError, ToolResult
+from services.envs.base import Episode, TaskEnv, ToolError, ToolResult
+from services.envs.calls import (
+    DEFAULT_CALL_ID,
+    call_id_of,
+    calls_to_run,
+    check_arguments,
+    first_call_id,
+    malformed,
+    parse_call,
+)
 from shared.bus import dead_letter
 from shared.config import EnvConfig
+from shared.lifecycle import supervise
 from shared.messages import (
     BadMessage,
     EnvCancel,
@@ -217,69 +227,6 @@ def _set_outcome(future: asyncio.Future[Any], result: Any, exc: BaseException | 
         future.set_result(result)
 
 
-def parse_tool_call(message: dict[str, Any]) -> tuple[str, ToolCall]:
-    """The first tool call of an OpenAI assistant message. Raises ToolError with a readable reason."""
-    if message.get("invalid_tool_call"):  # the agent's text had a <tool_call> we could not read
-        raise ToolError(f"Malformed tool call: {message['invalid_tool_call']}.")
-    calls = message.get("tool_calls") or []
-    if not isinstance(calls, list) or not calls:
-        raise ToolError("No tool call found. Reply with exactly one tool call, using one of the listed tools.")
-    if len(calls) > 1:  # running only the first would hide the others from the agent
-        raise ToolError(f"{len(calls)} tool calls in one message; none was run. Call exactly one tool per turn.")
-    call = calls[0]
-    if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
-        raise ToolError("Malformed tool call: expected {\"function\": {\"name\": ..., \"arguments\": ...}}.")
-    fn = call["function"]
-    name, raw_args = fn.get("name"), fn.get("arguments", "{}")
-    if not isinstance(name, str) or not name:
-        raise ToolError("Malformed tool call: missing function name.")
-    if isinstance(raw_args, str):
-        try:
-            args = json.loads(raw_args) if raw_args.strip() else {}
-        except json.JSONDecodeError as exc:
-            raise ToolError(f"Malformed tool call: arguments are not valid JSON ({exc.msg}).") from None
-    else:
-        args = raw_args
-    if not isinstance(args, dict):
-        raise ToolError("Malformed tool call: arguments must be a JSON object.")
-    return str(call.get("id") or "call_0"), ToolCall(name=name, arguments=args)
-
-
-def malformed(message: dict[str, Any]) -> bool:
-    """A tool call that cannot be read: broken ``<tool_call>`` text, or arguments that are not a JSON object."""
-    if message.get("invalid_tool_call"):
-        return True
-    for call in message.get("tool_calls") or []:
-        try:
-            args = call["function"].get("arguments", "{}")
-            if not isinstance(json.loads(args) if isinstance(args, str) else args, dict):
-                return True
-        except (KeyError, TypeError, AttributeError, json.JSONDecodeError):
-            return True
-    return False
-
-
-def check_arguments(tool_schemas: list[dict[str, Any]], call: ToolCall) -> None:
-    """Unknown tool, missing or unexpected arguments, wrong JSON types -> ToolError."""
-    by_name = {t["function"]["name"]: t["function"] for t in tool_schemas}
-    if call.name not in by_name:
-        raise ToolError(f"Unknown tool {call.name!r}. Available tools: {', '.join(sorted(by_name))}.")
-    params = by_name[call.name].get("parameters", {})
-    props: dict[str, Any] = params.get("properties", {})
-    missing = [p for p in params.get("required", []) if p not in call.arguments]
-    if missing:
-        raise ToolError(f"Tool {call.name}: missing argument(s) {', '.join(missing)}.")
-    unknown = [a for a in call.arguments if a not in props]
-    if unknown:
-        raise ToolError(f"Tool {call.name}: unexpected argument(s) {', '.join(unknown)}.")
-    json_types = {"string": str, "integer": int, "number": (int, float), "boolean": bool, "array": list,
-                  "object": dict}
-    for arg, value in call.arguments.items():
-        expected = json_types.get(props[arg].get("type", ""))
-        if expected and not isinstance(value, expected):
-            raise ToolError(f"Tool {call.name}: argument {arg} must be of type {props[arg]['type']}.")
-
-
 class EnvHost:
     def __init__(self, env: TaskEnv, cfg: EnvConfig, subjects: Subjects, replica_id: str) -> None:
         self.env, self.cfg, self.subjects, self.replica_id = env, cfg, subjects, replica_id
@@ -341,7 +288,7 @@ class EnvHost:
                 await request.respond_error("500", repr(exc))
 
         async def dispatch(request: Request) -> None:
-            task = asyncio.create_task(run(request))
+            task = supervise(run(request), "env_request", None)
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
@@ -400,21 +347,22 @@ class EnvHost:
                 raise ServiceError("404", f"session {req.session_id} was closed")
             session.last_active = time.monotonic()
             session.turns += 1
-            call_id, result = await self._run_call(session, req.message)
-            result.content = self._truncate(result.content)
+            results = await self._run_message(session, req.message)
+            for _, result in results:
+                result.content = self._truncate(result.content)
+            result = results[-1][1]  # the last call that ran decides the turn's ending and reward
             if not result.finish and session.turns >= session.episode.max_turns:
                 limit = session.episode.limit_reached()
-                result = ToolResult(content=f"{result.content}\n\n{limit.content}", finish=True,
-                                    reward=limit.reward, status=limit.status, metrics=result.metrics)
+                result.content = f"{result.content}\n\n{limit.content}"
+                result.finish, result.reward, result.status = True, limit.reward, limit.status
             metrics = dict(result.metrics, turns=float(session.turns), invalid_actions=float(session.invalid_actions))
             if result.finish:
                 await self._close(session, result.status)
             session.last_active = time.monotonic()
-            tool_message = {"role": result.role, "content": result.content}
-            if result.role == "tool":
-                tool_message = {"role": "tool", "tool_call_id": call_id, "content": result.content}
+            messages = [{"role": "tool", "tool_call_id": call_id, "content": r.content} if r.role == "tool"
+                        else {"role": r.role, "content": r.content} for call_id, r in results]
             reply = encode(EnvStep(finish=result.finish, reward=float(result.reward), status=result.status,
-                                   messages=[tool_message], metrics=metrics))
+                                   messages=messages, metrics=metrics))
             return self._remember(key, reply) if req.turn >= 0 else reply
 
     def _truncate(self, content: str) -> str:
@@ -425,43 +373,61 @@ class EnvHost:
             return content
         return content[:limit] + f"\n[truncated: {len(content) - limit} more characters not shown]"
 
-    async def _run_call(self, session: Session, message: dict[str, Any]) -> tuple[str, ToolResult]:
-        call_id = "call_0"
+    async def _run_message(self, session: Session, message: dict[str, Any]) -> list[tuple[str, ToolResult]]:
+        """The calls of one assistant message that the episode's rule runs, in order, each with its result;
+        the first that ends the episode is the last to run."""
+        episode = session.episode
+        if episode.takes_whole_message:  # the episode reads every call itself (BFCL)
+            if malformed(message):  # still the episode's to grade; counted for the well-formed rate
+                session.invalid_actions += 1
+            return [(first_call_id(message), await self._run(session, functools.partial(episode.respond, message)))]
+        if not (message.get("tool_calls") or message.get("invalid_tool_call")):
+            # a text-only turn: most tasks refuse it, KG reads its "Final Answer: #3" from it
+            content = str(message.get("content") or "")
+            return [(DEFAULT_CALL_ID, await self._run(session, functools.partial(episode.reply, content)))]
         try:
-            if session.episode.takes_whole_message:  # the episode reads every call itself (BFCL)
-                calls = message.get("tool_calls") or []
-                if isinstance(calls, list) and calls and isinstance(calls[0], dict):
-                    call_id = str(calls[0].get("id") or call_id)
-                if malformed(message):  # still the episode's to grade; counted for the well-formed rate
-                    session.invalid_actions += 1
-                run = functools.partial(session.episode.respond, message)
-            elif message.get("tool_calls") or message.get("invalid_tool_call"):
-                call_id, call = parse_tool_call(message)
-                check_arguments(session.episode.tools, call)
-                run = functools.partial(session.episode.call, call)
-            else:  # a text-only turn: most tasks refuse it, KG reads its "Final Answer: #3" from it
-                run = functools.partial(session.episode.reply, str(message.get("content") or ""))
+            raw_calls = calls_to_run(message, episode.calls_per_message)
+        except ToolError as exc:
+            return [(first_call_id(message), self._refused(session, exc))]
+        results: list[tuple[str, ToolResult]] = []
+        for k, raw in enumerate(raw_calls):
+            call_id = call_id_of(raw, DEFAULT_CALL_ID if k == 0 else f"{DEFAULT_CALL_ID}_{k}")
+            try:
+                call = parse_call(raw)
+                check_arguments(episode.tools, call)
+            except ToolError as exc:
+                result = self._refused(session, exc)
+            else:
+                timeout_s = max(self.cfg.action_timeout_s, episode.call_timeout_s(call) or 0.0)
+                result = await self._run(session, functools.partial(episode.call, call), timeout_s)
+            results.append((call_id, result))
+            if result.finish:
+                break
+        return results
+
+    def _refused(self, session: Session, exc: ToolError) -> ToolResult:
+        session.invalid_actions += 1
+        if self.cfg.invalid_action_ends_episode:
+            return ToolResult(content=f"Error: {exc}", finish=True, reward=0.0, status=EpisodeStatus.INVALID_ACTION)
+        return ToolResult(content=f"Error: {exc}", status=EpisodeStatus.RUNNING)
+
+    async def _run(self, session: Session, run: Callable[[], ToolResult], timeout_s: float | None = None) -> ToolResult:
+        """One call of the episode on the pool; a ToolError is the agent's, anything else ends the episode."""
+        timeout_s = timeout_s or self.cfg.action_timeout_s
+        try:
             # a thread cannot be stopped: one past the timeout runs on, and the episode is freed once it
             # returns (see _close)
-            result = await self.pool.run(run, self.cfg.action_timeout_s,
-                                         started=functools.partial(setattr, session, "running"))
+            return await self.pool.run(run, timeout_s, started=functools.partial(setattr, session, "running"))
         except ToolError as exc:
-            session.invalid_actions += 1
-            if self.cfg.invalid_action_ends_episode:
-                return call_id, ToolResult(content=f"Error: {exc}", finish=True, reward=0.0,
-                                           status=EpisodeStatus.INVALID_ACTION)
-            return call_id, ToolResult(content=f"Error: {exc}", status=EpisodeStatus.RUNNING)
+            return self._refused(session, exc)
         except TimeoutError:  # the episode ends: its tool still runs, and the next call must not run beside it
-            log.warning("tool_call_timeout", task=self.task, session_id=session.session_id,
-                        timeout_s=self.cfg.action_timeout_s)
-            return call_id, ToolResult(content=f"Error: the tool call took longer than {self.cfg.action_timeout_s:g}s; "
-                                               "the episode ends.", finish=True, reward=0.0,
-                                       status=EpisodeStatus.ENV_TIMEOUT)
+            log.warning("tool_call_timeout", task=self.task, session_id=session.session_id, timeout_s=timeout_s)
+            return ToolResult(content=f"Error: the tool call took longer than {timeout_s:g}s; the episode ends.",
+                              finish=True, reward=0.0, status=EpisodeStatus.ENV_TIMEOUT)
         except Exception as exc:
             log.exception("tool_call_failed", task=self.task, session_id=session.session_id)
-            return call_id, ToolResult(content=f"Environment error: {exc!r}", finish=True, reward=0.0,
-                                       status=EpisodeStatus.ENV_ERROR)
-        return call_id, result
+            return ToolResult(content=f"Environment error: {exc!r}", finish=True, reward=0.0,
+                              status=EpisodeStatus.ENV_ERROR)
 
     async def oracle(self, data: bytes) -> bytes:
         req = decode(data, EnvOracle)
@@ -508,7 +474,7 @@ class EnvHost:
         session.closed = True
         self.sessions.pop(session.session_id, None)
         if session.running is not None and not session.running.done():  # a timed-out tool is still running
-            task = asyncio.create_task(self._free(session, status))
+            task = supervise(self._free(session, status), "session_close", None)
             self._closing_tasks.add(task)
             task.add_done_callback(self._closing_tasks.discard)
         else:

@@ -8,6 +8,7 @@ import queue
 import socket
 import sys
 import threading
+from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,15 @@ from services.rollout.worker import RolloutWorker
 from shared.auth import manages_topology
 from shared.bus import connect, declare_topology, heartbeat_loop, replica_name
 from shared.config import JetRLConfig, from_argv
-from shared.lifecycle import close_connection, exit_code, forward_signals, install_stop, run, stop_if_connection_closed
+from shared.lifecycle import (
+    close_connection,
+    exit_code,
+    forward_signals,
+    install_stop,
+    run,
+    stop_if_connection_closed,
+    supervise,
+)
 from shared.log import setup_logging
 from shared.model import load_tokenizer, quiet_transformers, resolve_model
 from shared.subjects import Subjects
@@ -87,7 +96,7 @@ async def main(argv: list[str], handoff: EngineHandoff | None = None) -> None:
             stack.callback(engine.close)
         nc = await connect(cfg.nats, replica_id, role="rollout")
         stack.push_async_callback(close_connection, nc)
-        watch = asyncio.create_task(stop_if_connection_closed(nc, stop))
+        watch = supervise(stop_if_connection_closed(nc, stop), "connection_watch", stop)
         stack.callback(watch.cancel)
         js = nc.jetstream()
         await declare_topology(js, subjects, cfg.nats, cfg.controller.heartbeat_ttl_s, role="rollout")
@@ -96,18 +105,21 @@ async def main(argv: list[str], handoff: EngineHandoff | None = None) -> None:
         worker.creates_durables = manages_topology(cfg.nats, "rollout")
         if worker.chat_api is not None:
             stack.push_async_callback(worker.chat_api.close)
-        jobs = [worker.report_metrics(), heartbeat_loop(js, subjects, "rollout", replica_id, {
-            "engine_id": engine_id, "engine": cfg.rollout.engine, "kind": cfg.rollout.engine_kind, "pid": os.getpid()})]
-        if cfg.serve.enabled:  # the policy over the OpenAI API (jetrl serve)
-            jobs.append(serve_openai(cfg, engine, tokenizer, log))
+        beat_info = {"engine_id": engine_id, "engine": cfg.rollout.engine, "kind": cfg.rollout.engine_kind,
+                     "pid": os.getpid()}
+        jobs: dict[str, Callable[[], Awaitable[None]]] = {
+            "metrics_report": worker.report_metrics,
+            "heartbeat": lambda: heartbeat_loop(js, subjects, "rollout", replica_id, beat_info)}
+        if cfg.serve.enabled:  # the policy over the OpenAI API (jetrl serve); its socket is bound once: no restart
+            jobs["openai_api"] = lambda: serve_openai(cfg, engine, tokenizer, log)
         if engine is not None:
             if cfg.rollout.follow_weights:
-                jobs.append(worker.follow_weights())
+                jobs["weights_follower"] = worker.follow_weights
             if cfg.rollout.serve_pool:
                 pool_service = await worker.serve_pool()
                 stack.push_async_callback(pool_service.stop)
-        for job in jobs:
-            bg = asyncio.create_task(job)
+        for name, job in jobs.items():
+            bg = supervise(job, name, stop, restart_s=None if name == "openai_api" else 1.0)
             stack.callback(bg.cancel)
         log.info("rollout_ready", model=str(model_path), engine=cfg.rollout.engine, engine_id=engine_id,
                  kind=cfg.rollout.engine_kind, concurrency=cfg.rollout.concurrency, serve_jobs=cfg.rollout.serve_jobs)

@@ -41,6 +41,7 @@ from shared.bus import (
     Acker,
     dead_letter,
     decode_or_dead_letter,
+    judge_each,
     publish_metrics,
     publish_retrying,
     read_object,
@@ -49,6 +50,7 @@ from shared.chat import parse_assistant, render_observation, render_opening, ren
 from shared.config import RolloutConfig
 from shared.consumers import JOB_MAX_DELIVER, bind_durable, job_consumer, job_consumer_name, job_lanes
 from shared.envapi import ERROR_CODE_HEADER, ERROR_HEADER, EnvClient, EnvError, episode_seed
+from shared.lifecycle import supervise
 from shared.messages import (
     ActionEvent,
     BadMessage,
@@ -172,7 +174,7 @@ class RolloutWorker:
                 log.warning("job_fetch_failed", lane=lane, error=repr(exc))
                 await asyncio.sleep(1.0)
                 continue
-            task = asyncio.create_task(self._handle(msgs[0]))
+            task = supervise(judge_each(self.js, self.subjects, "rollout", msgs, self._handle), "job", None)
             tasks.add(task)
             task.add_done_callback(lambda t: (tasks.discard(t), slots.release()))
         for task in tasks:  # shutting down: unacked jobs are redelivered to other replicas
@@ -395,7 +397,7 @@ class RolloutWorker:
                 except Exception as exc:  # the broker is restarting: the next touch or the turn's end retries
                     log.warning("job_touch_failed", error=repr(exc))
 
-        task = asyncio.create_task(touch())
+        task = supervise(touch(), "job_touch", None)
         try:
             yield
         finally:
@@ -480,7 +482,7 @@ class RolloutWorker:
                     log.exception("pool_generate_error")
                     await request.respond_error("500", repr(exc))
 
-            task = asyncio.create_task(run())  # the engine batches concurrent requests
+            task = supervise(run(), "pool_request", None)  # the engine batches concurrent requests
             self._pool_tasks.add(task)
             task.add_done_callback(self._pool_tasks.discard)
 
@@ -529,7 +531,7 @@ class RolloutWorker:
                     log.debug("policy_poll", detail=type(exc).__name__)
                 await asyncio.sleep(poll_s)
 
-        helpers = [asyncio.create_task(poll())]
+        helpers = [supervise(poll, "policy_poll", None, restart_s=1.0)]
         try:
             while True:
                 await fresh.wait()

@@ -16,7 +16,7 @@ from services.trainer.trainer import Trainer
 from shared.auth import manages_topology
 from shared.bus import connect, declare_topology, heartbeat_loop, replica_name
 from shared.config import from_argv
-from shared.lifecycle import close_connection, exit_code, install_stop, stop_if_connection_closed
+from shared.lifecycle import close_connection, exit_code, install_stop, stop_if_connection_closed, supervise
 from shared.log import setup_logging
 from shared.messages import TrainingFinished, encode
 from shared.model import load_model, load_tokenizer, quiet_transformers, resolve_model
@@ -47,7 +47,7 @@ async def main(argv: list[str]) -> None:
     async with AsyncExitStack() as stack:
         nc = await connect(cfg.nats, replica_id, role="trainer")
         stack.push_async_callback(close_connection, nc)
-        watch = asyncio.create_task(stop_if_connection_closed(nc, stop))
+        watch = supervise(stop_if_connection_closed(nc, stop), "connection_watch", stop)
         stack.callback(watch.cancel)
         js = nc.jetstream()
         await declare_topology(js, subjects, cfg.nats, cfg.controller.heartbeat_ttl_s, role="trainer")
@@ -55,7 +55,8 @@ async def main(argv: list[str]) -> None:
         trainer.creates_durables = manages_topology(cfg.nats, "trainer")
         trainer.resume()  # a restarted trainer continues from its newest checkpoint
         await trainer.adopt_announced_version()  # versions only go up, across restarts and trainers
-        beat = asyncio.create_task(heartbeat_loop(js, subjects, "trainer", replica_id, {"steps": cfg.trainer.steps}))
+        beat = supervise(lambda: heartbeat_loop(js, subjects, "trainer", replica_id, {"steps": cfg.trainer.steps}),
+                         "heartbeat", stop, restart_s=1.0)
         stack.callback(beat.cancel)
         log.info("trainer_ready", model=str(model_path), steps=cfg.trainer.steps, min_groups=cfg.trainer.min_groups)
         await trainer.run(stop)

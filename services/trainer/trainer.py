@@ -39,10 +39,11 @@ from services.trainer.packing import (
     prefix_order,
     shareable_length,
 )
-from shared.bus import dead_letter, decode_or_dead_letter, publish_metrics, retrying
+from shared.bus import dead_letter, decode_or_dead_letter, judge_each, publish_metrics, retrying, term_quietly
 from shared.config import TrainerConfig
 from shared.consumers import bind_durable, trainer_consumer
 from shared.digest import digest
+from shared.lifecycle import supervise
 from shared.lm import PackedLM
 from shared.messages import EpisodeStatus, Trajectory, WeightsAnnouncement, decode, encode
 from shared.model import (
@@ -282,10 +283,7 @@ class Trainer:
         self.counters["train/dead_lettered"] += 1
         await dead_letter(self.js, self.subjects, service="trainer", origin_subject=msg.subject, reason=reason,
                           payload=msg.data)
-        try:
-            await msg.term()
-        except Exception as exc:
-            log.warning("term_failed", error=repr(exc))
+        await term_quietly(msg)
 
     async def _intake(self, msg: Msg) -> None:
         traj = await decode_or_dead_letter(self.js, self.subjects, "trainer", msg, Trajectory)
@@ -367,18 +365,18 @@ class Trainer:
 
     async def run(self, stop: asyncio.Event) -> None:
         sub = await self.subscribe()
-        keeper = asyncio.create_task(self.keep_held(stop))
+        keeper = supervise(lambda: self.keep_held(stop), "held_trajectories_keeper", stop, restart_s=1.0)
         try:
             while not stop.is_set() and self.step < self.cfg.steps:
                 try:
-                    for msg in await sub.fetch(64, timeout=0.5):
-                        await self._intake(msg)
+                    msgs = await sub.fetch(64, timeout=0.5)
                 except (TimeoutError, NatsTimeout):
-                    pass
+                    msgs = []
                 except Exception as exc:  # broker restarting: wait and retry
                     log.warning("trajectory_fetch_failed", error=repr(exc))
                     await asyncio.sleep(0.5)
                     continue
+                await judge_each(self.js, self.subjects, "trainer", msgs, self._intake)  # each message alone
                 ready = self.ready_groups()
                 if self.cfg.filter_flat_groups and self.cfg.mode == "rl":
                     ready = await self.drop_flat_groups(ready)
@@ -761,8 +759,8 @@ class Trainer:
         for key, values in stats.items():  # histograms (task/<t>/adv_hist) travel as one scalar per bin
             if isinstance(values, list):
                 scalars.update({f"{key}/{i}": float(x) for i, x in enumerate(values)})
-        asyncio.get_running_loop().create_task(
-            publish_metrics(self.nc, self.subjects, "trainer", self.replica_id, self.step, scalars))
+        supervise(publish_metrics(self.nc, self.subjects, "trainer", self.replica_id, self.step, scalars),
+                  "metrics_publish", None)
 
 
 def _vocab_size(model: Any) -> int | None:

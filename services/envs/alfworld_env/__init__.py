@@ -79,6 +79,8 @@ def snap(action: str, choices: list[str], limit: float = 0.01) -> str:
 
 
 class AlfworldEpisode(Episode):
+    calls_per_message = "first"  # AgentBench's ALFWorld task runs a message's first call
+
     def __init__(self, env: AlfworldEnv, task_id: str, proc: EngineProc, first: Step, max_turns: int) -> None:
         self.env, self.task_id, self.proc, self.last = env, task_id, proc, first
         self.max_turns = max_turns

@@ -413,6 +413,7 @@ def build_catalogue(split: str, per_type: int, data_dir: str = "", max_steps: in
             if log:
                 log(task_type=task_type, split=split, **out["stats"][task_type])
     out["stats"]["build_s"] = time.perf_counter() - t0
+    root.mkdir(parents=True, exist_ok=True)  # no game was built where per_type is 0: the folder may not exist
     tmp = manifest.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(json.dumps(out, indent=1))
     tmp.replace(manifest)

@@ -47,6 +47,7 @@ TOOLS: list[dict[str, Any]] = [
 
 class DBEpisode(Episode):
     max_turns = 15  # AgentBench's max_round for dbbench
+    calls_per_message = "all"  # AgentBench's dbbench runs every call of a message, in order
 
     def __init__(self, task: Task, db: Any, gold: Any = None) -> None:
         self.task, self.db = task, db

@@ -6,8 +6,8 @@ gets a question and its topic entities by name, explores with ``get_relations``,
 hold the sets they build), and answers in text with ``Final Answer: #k`` within 15 rounds.
 Reward 1 for an exact set match with the gold answer (AgentBench's EM), F1 as a metric.
 
-Options as AgentBench: ``env.kg.one_shot`` (an example conversation on our graph before the question, as
-its std split), implicit prerequisites (``get_neighbors``/``argmax``/``argmin`` list relations/attributes
+Options as AgentBench: ``env.kg.one_shot`` (an example conversation before the question, as its std split:
+on our graph for generated questions, AgentBench's published one for its own questions, split ``dev``), implicit prerequisites (``get_neighbors``/``argmax``/``argmin`` list relations/attributes
 themselves; ``env.kg.strict_prerequisites`` refuses instead), and the user's own Freebase graph as
 N-Triples with AgentBench-format questions (``env.kg.ntriples``, ``env.kg.agentbench_file``: ``ntriples.py``).
 Left out: its union tool (not among the seven). Observations say, as AgentBench's do, only a variable's type, never
@@ -98,6 +98,7 @@ def f1(predicted: set[str], gold_answer: set[str]) -> float:
 
 class KGEpisode(Episode):
     max_turns = MAX_ROUNDS
+    calls_per_message = "all"  # AgentBench's KG task runs every call of a message, in order
 
     def __init__(self, kb: KB, task: dict[str, Any], strict: bool = False,
                  example: list[dict[str, Any]] | None = None) -> None:
@@ -281,10 +282,20 @@ def parse_action(action: str, names: dict[str, str]) -> ToolCall:
 ONE_SHOT_PATH = Path(__file__).with_name("one_shot.json")
 
 
+AGENTBENCH_ONE_SHOT_PATH = Path(__file__).with_name("agentbench_one_shot.json")
+
+
 def one_shot_example() -> list[dict[str, Any]]:
-    """The example conversation of ``env.kg.one_shot``: a question of the project's own graph solved with the
-    tools (``python -m services.envs.kg one-shot`` writes it), in chat format, as AgentBench's ONE_SHOT."""
+    """The example conversation of ``env.kg.one_shot`` for generated questions: a question of the project's own
+    graph solved with the tools (``python -m services.envs.kg one-shot`` writes it), in chat format, as
+    AgentBench's ONE_SHOT."""
     return json.loads(ONE_SHOT_PATH.read_text(encoding="utf-8"))
+
+
+def agentbench_one_shot() -> list[dict[str, Any]]:
+    """AgentBench's own ONE_SHOT conversation (a Freebase question, Apache-2.0, kept as published with its
+    source named in the file), for AgentBench's questions (split ``dev``): the opening its std split shows."""
+    return json.loads(AGENTBENCH_ONE_SHOT_PATH.read_text(encoding="utf-8"))["messages"]
 
 
 def record_example(env: KGEnv, task_id: str, split: str = "train") -> list[dict[str, Any]]:
@@ -375,7 +386,9 @@ class KGEnv(TaskEnv):
         if cfg.kg.agentbench_file:
             self.tasks["dev"] = load_agentbench(Path(cfg.kg.agentbench_file).expanduser())
         self.by_id = {split: {t["qid"]: t for t in tasks} for split, tasks in self.tasks.items()}
-        self.example = one_shot_example() if cfg.kg.one_shot else []
+        # generated questions get an example of our graph; AgentBench's questions (dev) the example it publishes
+        self.examples = {"train": one_shot_example(), "test": one_shot_example(),
+                         "dev": agentbench_one_shot()} if cfg.kg.one_shot else {}
         log.info("kg_env_ready", triples=self.graph.meta["triples"], train=len(self.tasks["train"]),
                  test=len(self.tasks["test"]), load_s=round(time.perf_counter() - t0, 2))
 
@@ -406,7 +419,7 @@ class KGEnv(TaskEnv):
 
     def open(self, task_id: str, split: str, seed: int) -> KGEpisode:
         task = self.by_id[split][task_id]  # KeyError -> 404 in the host
-        return KGEpisode(self.kb, task, strict=self.cfg.kg.strict_prerequisites, example=self.example)
+        return KGEpisode(self.kb, task, strict=self.cfg.kg.strict_prerequisites, example=self.examples.get(split))
 
     def oracle(self, episode: Episode) -> ToolCall:
         assert isinstance(episode, KGEpisode)

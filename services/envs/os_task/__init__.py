@@ -1,9 +1,10 @@
 """The OS task (AgentBench's os_interaction, function-calling version): a real Linux shell per episode.
 
 Tools: ``bash_action(script)`` runs a script in the episode's persistent bash (output cut at
-``env.max_observation_chars``, the cut stated), ``answer_action(answer)`` and ``finish_action()`` end the
-episode and grade it; at most 8 rounds. Each episode gets its own sandbox (``sandbox.py``); tasks
-are AgentBench's format or generated in it (``tasks.py``). ``make setup-os`` builds the rootfs.
+``env.max_observation_chars``, the cut stated), ``answer_action(answer)`` and ``finish_action(thought)`` end
+the episode and grade it (the thought is the answer, as AgentBench's grader takes it); at most 8 rounds, a
+message's first call runs. Each episode gets its own sandbox (``sandbox.py``); tasks are AgentBench's format
+or generated in it (``tasks.py``). ``make setup-os`` builds the rootfs.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from typing import Any
 import structlog
 
 from services.envs.base import Episode, TaskEnv, TaskLevel, ToolCall, ToolError, ToolResult
-from services.envs.os_task.sandbox import BwrapSandbox, Cgroup, DockerSandbox, Limits, Sandbox, ensure_rootfs
+from services.envs.os_task.docker_sandbox import DockerSandbox
+from services.envs.os_task.sandbox import BwrapSandbox, Cgroup, Limits, Sandbox, ensure_rootfs
 from services.envs.os_task.tasks import (
     COMPARISONS,
     OSTask,
@@ -39,6 +41,7 @@ log = structlog.get_logger()
 MAX_ROUNDS = 8  # AgentBench's round_limit for the OS task
 HIDDEN_SCRIPT = '__jetrl_c=$JETRL_CHECK; unset JETRL_CHECK; eval "$__jetrl_c"'
 SWITCH_USER = re.compile(r"(?:^|[\s;&|(])(?:su|login|sudo\s+(?:-\w*[is]\w*|su))(?:\s|$)")
+CHECK_TIMEOUT_S = 300.0  # each grading script's bound: AgentBench has none; the agent's action time limit is not one
 INIT_TIMEOUT_S = 120.0  # AgentBench waits for init without a limit; one training task sleeps 60 s
 
 SYSTEM_PROMPT = (
@@ -58,18 +61,21 @@ TOOLS: list[dict[str, Any]] = [
                        "persists between calls: the working directory and variables carry over.",
         "parameters": {"type": "object", "properties": {
             "script": {"type": "string", "description": "The bash script to execute."}},
-            "required": ["script"]}}},
+            "required": ["script"], "additionalProperties": False}}},
     {"type": "function", "function": {
         "name": "answer_action",
         "description": "Give the answer to the question. This ends the task.",
         "parameters": {"type": "object", "properties": {
             "answer": {"type": "string", "description": "The answer, and nothing else."}},
-            "required": ["answer"]}}},
+            "required": ["answer"], "additionalProperties": False}}},
     {"type": "function", "function": {
         "name": "finish_action",
         "description": "Declare that the required operations are done (for tasks that ask you to change the "
                        "system rather than to answer). This ends the task.",
-        "parameters": {"type": "object", "properties": {}, "required": []}}},
+        # AgentBench's: its grader takes the thought as the answer (checks get it as $1, a match compares it)
+        "parameters": {"type": "object", "properties": {
+            "thought": {"type": "string", "description": "The thought or reason indicating the task is finished."}},
+            "required": ["thought"], "additionalProperties": False}}},
 ]
 
 
@@ -82,6 +88,7 @@ def script_argv(script: Script, params: list[str]) -> list[str]:
 
 class OSEpisode(Episode):
     max_turns = MAX_ROUNDS
+    calls_per_message = "first"  # AgentBench's os_interaction runs a message's first call
 
     def __init__(self, task: OSTask, sandbox: Sandbox, cfg: EnvConfig) -> None:
         self.task, self.sandbox, self.cfg = task, sandbox, cfg
@@ -138,8 +145,15 @@ class OSEpisode(Episode):
             if tool.name == "answer_action":
                 return self._grade(str(tool.arguments["answer"]))
             if tool.name == "finish_action":
-                return self._grade(None)
+                thought = tool.arguments.get("thought")  # AgentBench: the first argument, or None without one
+                return self._grade(None if thought is None else str(thought))
             raise ToolError(f"Unknown tool {tool.name!r}. Available tools: bash_action, answer_action, finish_action.")
+
+    def call_timeout_s(self, tool: ToolCall) -> float | None:
+        """Grading runs the task's check scripts one after another, each within ``CHECK_TIMEOUT_S``."""
+        if tool.name in ("answer_action", "finish_action"):
+            return CHECK_TIMEOUT_S * max(1, len(self.task.check or [])) + 30.0
+        return None
 
     def close(self) -> None:
         with self._lock:
@@ -193,7 +207,7 @@ class OSEpisode(Episode):
                           reward=1.0 if ok else 0.0, status=EpisodeStatus.COMPLETED, metrics=metrics)
 
     def judge(self, answer: str | None) -> tuple[bool, str]:
-        """AgentBench's rule (``_judge``); ``finish_action`` is an answer of None, as there."""
+        """AgentBench's rule (``_evaluate_answer``): ``finish_action``'s thought is the answer, as there."""
         task = self.task
         if task.match is not None:
             if answer is None:
@@ -204,8 +218,8 @@ class OSEpisode(Episode):
                 return answer == task.match["answer"], "match"
             return re.search(task.match["regex"], answer) is not None, "regex"
         params = [str(answer)]
-        # checks are ours, not the agent's: they get the most the host allows a tool call, not a command's limit
-        timeout = max(self.command_timeout, self.cfg.action_timeout_s - 1.0)
+        # checks are ours, not the agent's: AgentBench runs them without a limit, here each gets its own bound
+        timeout = CHECK_TIMEOUT_S
         for entry in task.check or []:
             if entry is None and self.gold is not None:
                 params.append(self.gold)
@@ -317,7 +331,7 @@ class OSEnv(TaskEnv):
         if task.example is not None and episode.example_output is None:
             return ToolCall("bash_action", {"script": episode.oracle_script()})
         if not task.wants_answer and not task.reads_answer:
-            return ToolCall("finish_action", {})
+            return ToolCall("finish_action", {"thought": "The required operations are done."})
         if task.example is None:  # match-only task: the oracle knows the answer
             return ToolCall("answer_action", {"answer": str((task.match or {}).get("answer", ""))})
         return ToolCall("answer_action", {"answer": (episode.example_output or "").strip()})

@@ -9,25 +9,22 @@ and CPU. Inside runs ``sandboxd.py`` as pid 1. When the episode ends the namespa
 the tmpfs holding the upper dir. The sandbox's root is the host's uid 0 (no user namespace: tasks
 chown to many uids), as in Docker without userns-remap; the caps, seccomp and masks are what keep it in.
 
-``docker``: a container of an AgentBench-like Ubuntu image (``sleep infinity``), with sandboxd
-exec'd into it; the same JSON-lines protocol, so episodes do not know which one they run on.
+``docker`` (``docker_sandbox.py``): a container of an AgentBench-like image with sandboxd as its pid 1; the same
+JSON-lines protocol and the same behaviour, so episodes do not know which one they run on.
 """
 
 from __future__ import annotations
 
 import fcntl
 import hashlib
-import io
 import json
 import os
 import resource
 import select
 import shutil
 import signal
-import socket
 import struct
 import subprocess
-import tarfile
 import tempfile
 import time
 import uuid
@@ -51,6 +48,9 @@ PROC_MASKED = ["/proc/sysrq-trigger", "/proc/kcore", "/proc/keys", "/proc/timer_
                "/proc/latency_stats"]
 
 
+# sandboxd (pid 1) is non-dumpable, so root in the sandbox may not list these folders of it, and `find / ...`
+# would exit 1 where Docker's (dumpable) `sleep infinity` lets it pass: both backends lay empty read-only
+# folders over them (its fd links stay unreadable: the pipe to the host must stay private)
 SANDBOXD_HIDDEN = ["/proc/1/fdinfo", "/proc/1/map_files", "/proc/1/task/1/fdinfo"]
 
 ROOTFS_RECIPE = 3  # bump when the build below changes: the cache key includes it
@@ -119,6 +119,15 @@ def has_cap(bit: int) -> bool:
     except (OSError, ValueError):
         pass
     return False
+
+
+def sandbox_nofile(limits: Limits) -> int:
+    """The open-file limit (soft = hard) a sandbox starts with: inside, nobody may raise a hard limit (no
+    CAP_SYS_RESOURCE), so it is set from outside, as Docker's is; a replica without CAP_SYS_RESOURCE (in a
+    container) cannot go past its own hard limit."""
+    if has_cap(CAP_SYS_RESOURCE):
+        return limits.nofile
+    return min(limits.nofile, resource.getrlimit(resource.RLIMIT_NOFILE)[1])
 
 
 class SandboxError(RuntimeError):
@@ -420,9 +429,6 @@ class BwrapSandbox(PipeSandbox):
         for path in PROC_MASKED:
             if os.path.exists(path):
                 bwrap += ["--ro-bind", "/dev/null", path]
-        # sandboxd (pid 1) is non-dumpable, so root in the sandbox may not list these folders of it, and
-        # `find / ...` would exit 1 where Docker's (dumpable) `sleep infinity` lets it pass: empty read-only
-        # folders stand over them (its fd links stay unreadable: the pipe to the host must stay private)
         for path in SANDBOXD_HIDDEN:
             bwrap += ["--tmpfs", path, "--remount-ro", path]
         pass_fds: tuple[int, ...] = ()
@@ -444,9 +450,8 @@ class BwrapSandbox(PipeSandbox):
                  'printf "127.0.0.1\\tlocalhost\\n::1\\tlocalhost ip6-localhost ip6-loopback\\n127.0.1.1\\t%s\\n" '
                  '"$host" > "$ep/root/etc/hosts"; '
                  'exec "$@"')
-        # the open-file limit the sandbox inherits: inside, nobody may raise a hard limit (no CAP_SYS_RESOURCE),
-        # and the replica's own may be lower than Docker's; prlimit (util-linux) sets it as root
-        n = limits.nofile if has_cap(CAP_SYS_RESOURCE) else min(limits.nofile, resource.getrlimit(resource.RLIMIT_NOFILE)[1])
+        # the open-file limit the sandbox inherits; prlimit (util-linux) sets it as root
+        n = sandbox_nofile(limits)
         nofile = ["prlimit", f"--nofile={n}:{n}", "--"] if shutil.which("prlimit") else []
         argv = [*nofile, "sh", "-c", attach, "jetrl-attach", *self.cgroup.procs_files, "--",
                 "unshare", "--mount", "--propagation", "private", "--fork", "--kill-child=SIGKILL", "--",
@@ -485,163 +490,3 @@ class BwrapSandbox(PipeSandbox):
         self.cgroup.kill_all()
         self.cgroup.remove()
         shutil.rmtree(self.ep_dir, ignore_errors=True)  # the upper dir lived on the namespace's tmpfs
-
-
-# --------------------------------------------------------------------------------------------- #
-# Docker backend (selected by config where a Docker engine exists)
-# --------------------------------------------------------------------------------------------- #
-DOCKERFILE = """FROM ubuntu:22.04
-ENV DEBIAN_FRONTEND=noninteractive
-RUN apt-get update && apt-get install -y --no-install-recommends python3 python3-pip git vim curl wget zip unzip \
-    tree procps passwd ca-certificates {extra} && rm -rf /var/lib/apt/lists/*
-WORKDIR /root
-"""
-# Where ubuntu:22.04 cannot be pulled (no registry reachable): the Debian base image of `make setup-docker`
-# (mmdebstrap + docker import) with the bwrap rootfs's packages, so both backends run the same system. PATH
-# is the plain system one: the base's Python venv (/opt/python) is the JetRL image's, not the task's.
-DEBIAN_DOCKERFILE = """FROM {base}
-ENV DEBIAN_FRONTEND=noninteractive PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
-RUN apt-get update && apt-get install -y --no-install-recommends {packages} ca-certificates \
-    && rm -rf /var/lib/apt/lists/*
-WORKDIR /root
-CMD ["bash"]
-"""
-DEBIAN_BASE = "jetrl-base:bookworm-py3.11"  # built by scripts/docker_setup.sh
-DEV_NODES = ("null", "zero", "full", "random", "urandom")
-
-
-def build_docker_images(prefix: str = "jetrl-os", base: str | None = None,
-                        variants: tuple[str, ...] = ("default", "packages")) -> list[str]:
-    """Build ``<prefix>/default`` and ``<prefix>/packages`` (adds npm), as AgentBench's images: FROM
-    ubuntu:22.04 when it can be pulled, else FROM ``base`` (default: the local Debian base image). Docker's
-    layer cache makes a second call quick."""
-    import docker  # optional: only the docker backend needs it
-
-    client = docker.from_env()
-    if base is None:
-        try:
-            client.images.pull("ubuntu", tag="22.04")
-        except Exception as exc:  # no registry here: the local Debian base
-            log.info("os_docker_no_ubuntu_image", error=str(exc)[:200], base=DEBIAN_BASE)
-            base = DEBIAN_BASE
-    if base is not None:
-        try:
-            client.images.get(base)
-        except Exception as exc:
-            raise SandboxError(f"base image {base!r} not found: `make setup-docker` builds it") from exc
-    tags = []
-    for variant in variants:
-        tag = f"{prefix}/{variant}"
-        if base is None:
-            text = DOCKERFILE.format(extra="npm" if variant == "packages" else "")
-        else:
-            text = DEBIAN_DOCKERFILE.format(base=base, packages=" ".join(VARIANT_PACKAGES[variant]))
-        t0 = time.monotonic()
-        # host network for apt-get: works on engines started without a bridge (--bridge=none) too
-        client.images.build(fileobj=io.BytesIO(text.encode()), tag=tag, rm=True, network_mode="host")
-        log.info("os_docker_image_built", tag=tag, base=base or "ubuntu:22.04", seconds=round(time.monotonic() - t0, 1))
-        tags.append(tag)
-    return tags
-
-
-def docker_disk_cap(client: Any, disk_mb: int) -> dict[str, str] | None:
-    """``storage_opt`` capping a container's writable layer, where the engine can (overlay2 on xfs with
-    pquota, btrfs, zfs, devicemapper); None elsewhere (overlay2 on ext4 here): the cap is then not enforced."""
-    info = client.info()
-    driver = info.get("Driver", "")
-    backing = dict(info.get("DriverStatus") or []).get("Backing Filesystem", "")
-    if driver in ("btrfs", "zfs", "devicemapper") or (driver == "overlay2" and backing == "xfs"):
-        return {"size": f"{disk_mb}m"}
-    return None
-
-
-class DockerSandbox(Sandbox):
-    def __init__(self, image: str, limits: Limits, hostname: str = "sandbox", start_timeout: float = 30.0) -> None:
-        import docker  # optional: only the docker backend needs it
-
-        self.hostname = hostname
-        self.client = docker.from_env()
-        config = json.dumps({"hostname": hostname, "nofile": limits.nofile, "fsize": limits.file_mb << 20,
-                             "pids": limits.pids})
-        # sandboxd is the container's pid 1, as in bwrap: the kernel ignores kill -9 from inside the pid
-        # namespace, and orphans (a fork bomb's) are reparented to it and reaped. It speaks over the
-        # container's attached stdin/stdout; the file goes in before the start.
-        self.container = self.client.containers.create(
-            image, entrypoint=["python3", "-I", "/run/jetrl/sandboxd.py"], command=[], stdin_open=True, tty=False,
-            auto_remove=True, user="root", environment={"JETRL_SANDBOX": config},
-            working_dir="/root", hostname=hostname, network_disabled=True, mem_limit=f"{limits.memory_mb}m",
-            memswap_limit=f"{limits.memory_mb}m", pids_limit=limits.pids, nano_cpus=int(limits.cpus * 1e9),
-            # as the bwrap backend: Docker's default caps less MKNOD, no_new_privs (Docker's default seccomp
-            # profile, /proc/sys read-only and its masked /proc paths come with every container)
-            cap_drop=["MKNOD"], security_opt=["no-new-privileges:true"], labels={"created_by": "jetrl-os"},
-            # bind-mounted like bwrap's --dev: `rm -rf /` cannot unlink them (sandboxd's shell reads /dev/null)
-            volumes={f"/dev/{d}": {"bind": f"/dev/{d}", "mode": "rw"} for d in DEV_NODES},
-            **({"storage_opt": disk} if (disk := docker_disk_cap(self.client, limits.disk_mb)) else {}))
-        self.closed = False
-        try:
-            data = io.BytesIO()
-            with tarfile.open(fileobj=data, mode="w") as tar:
-                folder = tarfile.TarInfo("jetrl")
-                folder.type, folder.mode = tarfile.DIRTYPE, 0o755
-                tar.addfile(folder)
-                body = SANDBOXD.read_bytes()
-                info = tarfile.TarInfo("jetrl/sandboxd.py")
-                info.size, info.mode = len(body), 0o644
-                tar.addfile(info, io.BytesIO(body))
-            self.container.put_archive("/run", data.getvalue())
-            self.sock: socket.socket = self.container.attach_socket(
-                params={"stdin": 1, "stdout": 1, "stderr": 1, "stream": 1})._sock
-            self._frames = b""
-            self._buf = b""
-            self.container.start()
-            hello = json.loads(self._recv(start_timeout))
-            if hello.get("op") != "ready":
-                raise SandboxError(f"sandbox did not start: {hello}")
-        except BaseException:
-            self.close()
-            raise
-
-    def _send(self, data: bytes) -> None:
-        self.sock.sendall(data)
-
-    def _recv(self, timeout: float) -> bytes:
-        """Demultiplex Docker's attach stream (8-byte frame headers) into stdout lines."""
-        deadline = time.monotonic() + timeout
-        while b"\n" not in self._buf:
-            while len(self._frames) >= 8:
-                kind, size = struct.unpack(">BxxxL", self._frames[:8])
-                if len(self._frames) < 8 + size:
-                    break
-                if kind == 1:
-                    self._buf += self._frames[8:8 + size]
-                self._frames = self._frames[8 + size:]
-            if b"\n" in self._buf:
-                break
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise SandboxError(f"sandbox did not answer within {timeout:g}s")
-            self.sock.settimeout(left)
-            try:
-                chunk = self.sock.recv(1 << 16)
-            except TimeoutError:
-                continue
-            if not chunk:
-                raise SandboxError("sandbox connection closed")
-            self._frames += chunk
-        line, self._buf = self._buf.split(b"\n", 1)
-        return line
-
-    def close(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        sock = getattr(self, "sock", None)
-        if sock is not None:
-            try:
-                sock.close()
-            except OSError:
-                pass
-        try:  # force-remove: also a container that was created but never started (auto_remove needs a start)
-            self.container.remove(force=True)
-        except Exception as exc:  # already gone
-            log.debug("os_docker_remove_failed", error=str(exc))

@@ -71,6 +71,7 @@ class ShopEpisode(Episode):
     """One shopper's session. ``page`` is one of search / results / item / sub / done."""
 
     max_turns = 20  # AgentBench's WebShop: 20 rounds
+    calls_per_message = "first"  # as AgentBench's WebShop task: a message's first call
 
     def __init__(self, catalog: Catalog, goal: dict[str, Any], task_id: str) -> None:
         self.catalog, self.goal, self.task_id = catalog, goal, task_id
