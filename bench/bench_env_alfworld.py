@@ -23,9 +23,10 @@ from pathlib import Path
 from typing import Any
 
 from services.envs.alfworld_env import AlfworldEnv, gen
+from services.envs.alfworld_env.config import AlfworldTaskConfig
 from services.envs.alfworld_env.pool import EnginePool, EngineProc
 from services.envs.base import ToolCall
-from shared.config import AlfworldTaskConfig, EnvConfig
+from shared.config import EnvConfig
 from shared.progress import track
 
 
@@ -133,7 +134,7 @@ def play(env: AlfworldEnv, task_id: str, policy: str, seed: int) -> dict[str, An
 def stage_episodes(a: argparse.Namespace) -> dict[str, Any]:
     """Oracle and random admissible-action policy on the first ``episodes`` catalogue games per type."""
     cfg = EnvConfig(task="alfworld", num_train_tasks=a.per_type, num_test_tasks=0, data_dir=a.data_dir,
-                    max_sessions=a.sessions, alfworld=AlfworldTaskConfig(pool_size=a.sessions, prefetch=0))
+                    max_sessions=a.sessions, sections={"alfworld": AlfworldTaskConfig(pool_size=a.sessions, prefetch=0)})
     env = AlfworldEnv(cfg)
     out: dict[str, Any] = {"sessions": a.sessions}
     try:

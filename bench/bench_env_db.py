@@ -26,9 +26,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from services.envs.base import ToolCall  # noqa: E402
 from services.envs.db import DBEnv, make_env  # noqa: E402
+from services.envs.db.config import DBTaskConfig
 from services.envs.db.env import DBEpisode  # noqa: E402
 from services.envs.db.grading import answers_from_rows  # noqa: E402
-from shared.config import DBTaskConfig, EnvConfig  # noqa: E402
+from shared.config import EnvConfig  # noqa: E402
 from shared.log import setup_logging  # noqa: E402
 from shared.progress import track  # noqa: E402
 
@@ -126,7 +127,7 @@ def bench_backend(name: str, cfg: EnvConfig, n_tasks: int, threads: int) -> dict
     env.close()
 
     if AGENTBENCH.exists():
-        env = make_env(EnvConfig(db=DBTaskConfig(server=cfg.db.server, agentbench_file=str(AGENTBENCH))))
+        env = make_env(EnvConfig(sections={"db": DBTaskConfig(server=cfg.db.server, agentbench_file=str(AGENTBENCH))}))
         gold = wrong = sql_select = 0
         for tid in env.task_ids("dev"):
             task = env.task(tid, "dev")
@@ -226,7 +227,7 @@ def main() -> None:
     results, nats = [], {}
     for backend in args.backends.split(","):
         cfg = EnvConfig(num_train_tasks=max(args.tasks, 64), num_test_tasks=64, max_sessions=64,
-                        db=DBTaskConfig(server=args.server if backend == "mariadb" else ""))
+                        sections={"db": DBTaskConfig(server=args.server if backend == "mariadb" else "")})
         results.append(bench_backend(backend, cfg, args.tasks, args.threads))
         nats[backend] = {c: asyncio.run(over_nats(cfg, args.nats_episodes, c)) for c in (1, args.threads)}
 

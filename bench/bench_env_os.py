@@ -24,7 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from services.envs.base import ToolCall  # noqa: E402
 from services.envs.os_task import OSEnv, OSEpisode  # noqa: E402
-from shared.config import EnvConfig, OSTaskConfig  # noqa: E402
+from services.envs.os_task.config import OSTaskConfig
+from shared.config import EnvConfig  # noqa: E402
 from shared.log import setup_logging  # noqa: E402
 from shared.progress import track  # noqa: E402
 
@@ -66,7 +67,7 @@ def bench_agentbench(args: argparse.Namespace) -> None:
         train_entries = [str(AGENTBENCH / "train_0317" / "training.json")]
         test_entries = [str(AGENTBENCH / "data" / "dev.json")]
     env = OSEnv(EnvConfig(task="os", num_train_tasks=0, num_test_tasks=0, action_timeout_s=args.action_timeout,
-                          os=OSTaskConfig(agentbench_train=train_entries, agentbench_test=test_entries)))
+                          sections={"os": OSTaskConfig(agentbench_train=train_entries, agentbench_test=test_entries)}))
     env.rootfs("default")
     for task_id, reason in sorted(env.skipped.items()):
         print(f"  skipped {task_id}: {reason}", flush=True)
@@ -177,7 +178,7 @@ def bench_latency(args: argparse.Namespace) -> None:
     them so that they share the machine's load (a side-by-side ratio)."""
     backends = args.backends.split(",")
     envs = {b: OSEnv(EnvConfig(task="os", num_train_tasks=6, num_test_tasks=6,
-                               os=OSTaskConfig(backend=b, docker_prefix=args.docker_prefix))) for b in backends}
+                               sections={"os": OSTaskConfig(backend=b, docker_prefix=args.docker_prefix)})) for b in backends}
     if "bwrap" in envs:
         envs["bwrap"].rootfs("default")
     scripts = ["echo", "ls -la /etc | wc -l", "python3 -c 'print(1)'"]

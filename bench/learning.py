@@ -49,8 +49,8 @@ def working_tasks(candidates: list[str], timeout_s: float = 180.0) -> list[str]:
     """Tasks whose env module imports and builds its env (train and test task ids) in a subprocess."""
     ok = []
     for task in candidates:
-        code = ("import importlib; from services.envs.__main__ import TASK_MODULES; from shared.config import JetRLConfig;"
-                f"e = importlib.import_module(TASK_MODULES[{task!r}]).make_env(JetRLConfig().env);"
+        code = ("from shared.config import JetRLConfig; from shared.tasks import find_task, load_factory;"
+                f"env = JetRLConfig().env; e = load_factory(find_task({task!r}, env))(env);"
                 "assert e.task_ids('train') and e.task_ids('test')")
         try:
             r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, timeout=timeout_s)
@@ -426,9 +426,9 @@ def main(argv: list[str] | None = None) -> int:
         tasks = bench.results.get("tasks", [])
     else:
         if args.tasks == "auto":
-            from services.envs.__main__ import TASK_MODULES
+            from shared.tasks import registered_tasks
 
-            tasks = working_tasks(list(TASK_MODULES))
+            tasks = working_tasks(sorted(registered_tasks()))
         else:
             tasks = [t for t in args.tasks.split(",") if t]
         if not tasks:

@@ -18,8 +18,9 @@ import torch
 
 from services.envs.base import ToolCall, ToolError
 from services.envs.db import make_env
+from services.envs.db.config import DBTaskConfig
 from shared.chat import parse_assistant, render_observation, render_opening
-from shared.config import DBTaskConfig, EnvConfig
+from shared.config import EnvConfig
 from shared.model import load_model, load_tokenizer, quiet_transformers
 
 
@@ -38,7 +39,7 @@ def main() -> None:
     torch.set_num_threads(1)
     tok, model = load_tokenizer(args.model), load_model(args.model).eval()
     env = make_env(EnvConfig(num_train_tasks=args.num_train_tasks, num_test_tasks=args.num_test_tasks,
-                             db=DBTaskConfig(levels=[int(x) for x in args.levels.split(",")])))
+                             sections={"db": DBTaskConfig(levels=[int(x) for x in args.levels.split(",")])}))
     stop = [tok.convert_tokens_to_ids("<|im_end|>")]
     sampling = dict(do_sample=True, temperature=args.temperature, top_k=0) if args.temperature > 0 else \
         dict(do_sample=False)

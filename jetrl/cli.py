@@ -5,7 +5,7 @@
     jetrl sft [--config FILE] [...]     # warm start on oracle demonstrations -> <run>/model
     jetrl eval [--config FILE] [...]    # test split, greedy, per-task report -> <run>/eval.json
     jetrl eval --engine openai --base-url URL --model NAME   # the same, any OpenAI-compatible server
-    jetrl eval --suite bfcl [...]       # BFCL's offline categories, per-category accuracy
+    jetrl eval --suite TASK [...]       # one task alone (an eval-only benchmark task), per-category accuracy
     jetrl serve [--config FILE] [...]   # the policy over the OpenAI API, following weight broadcasts
     jetrl probe [--config FILE] [...]   # eval, greedy and sampled, per task / level / kind
     jetrl watch [--run-dir DIR | --url NATS_URL --prefix P] [--task T] [--events]
@@ -14,6 +14,7 @@
     jetrl export [--run-dir DIR | --url NATS_URL --prefix P] -o FILE.parquet|.jsonl [filters]   # docs/data.md
     jetrl config [--task T]   # every config key with its default and help; with a task, only
                               # what its env service reads: [env] and [env.<task>]
+    jetrl env-check TASK [--config FILE]   # a task's env against the env contract: oracle, bad calls, cancel
     jetrl topology [--config FILE]   # declare streams and buckets as the NATS admin (compose)
     jetrl secrets [--env compose/.env]   # per-role NATS passwords + status API token for compose
     jetrl schema [--check]   # message schemas (docs/schemas/) and the env protocol's field tables
@@ -58,19 +59,22 @@ from shared.auth import (
     CLUSTER_PASSWORD_ENV,
     ROLES,
     controller_token,
+    credentials,
     env_password,
     generate_passwords,
     password_env_var,
+    password_file,
     server_authorization,
 )
 from shared.bus import connect, declare_topology
-from shared.config import TASKS, JetRLConfig, describe, load_config, save_config
+from shared.config import JetRLConfig, describe, load_config, save_config
 from shared.consumers import declare_durables
 from shared.log import setup_logging
 from shared.messages import ActionEvent, BadMessage, MetricsReport, ObservationEvent, Trajectory, decode, encode
 from shared.natsd import EmbeddedNats
 from shared.progress import Progress, format_duration
 from shared.subjects import Subjects
+from shared.tasks import ExternalEnv, TaskSource, find_task
 
 log = structlog.get_logger()
 
@@ -91,6 +95,11 @@ class Child:
 
     module_args: list[str]
     overrides: list[str]
+    command: list[str] | None = None
+    """An external program (``[env.<task>] command``) run as it is, instead of ``python -m <module_args>``."""
+    environ: dict[str, str] | None = None
+    """Variables set for it on top of this process's environment (shared/tasks.py: ExternalEnv)."""
+    cwd: str | None = None
     restarts: int = 0
     started_at: float = 0.0  # monotonic time of its latest start
     failing: int = 0  # deaths in a row, each within crash_window_s of its start
@@ -118,16 +127,18 @@ class Supervisor:
         self.restarts: dict[str, int] = {}
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
 
-    def spawn(self, name: str, module_args: list[str], overrides: list[str] | None = None) -> None:
-        child = self.children.setdefault(name, Child(module_args, list(overrides or [])))
+    def spawn(self, name: str, module_args: list[str], overrides: list[str] | None = None,
+              command: list[str] | None = None, environ: dict[str, str] | None = None, cwd: str | None = None) -> None:
+        child = self.children.setdefault(name, Child(module_args, list(overrides or []), command, environ, cwd))
         log = open(self.run_dir / "logs" / f"{name}.log", "ab")
         if child.restarts:
             log.write(f"=== jetrl up: restart {child.restarts} of {name} (last exit {child.last_rc}) ===\n".encode())
             log.flush()
         child.started_at = time.monotonic()
-        cmd = [sys.executable, "-m", *child.module_args, "--config", str(self.config_path), *child.overrides]
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        self.procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+        cmd = child.command or [sys.executable, "-m", *child.module_args, "--config", str(self.config_path),
+                                *child.overrides]
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **(child.environ or {}))
+        self.procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=child.cwd,
                                             start_new_session=True, preexec_fn=_die_with_parent)
         log.close()
 
@@ -161,7 +172,7 @@ class Supervisor:
             elif now >= child.restart_at:
                 child.restart_at = None
                 child.restarts += 1
-                self.spawn(name, child.module_args, child.overrides)
+                self.spawn(name, child.module_args, child.overrides, child.command, child.environ, child.cwd)
                 done.append(self._count(name))
         return done
 
@@ -386,10 +397,25 @@ def trainer_command(ranks: int, torch_threads: int) -> tuple[list[str], list[str
             ["--trainer.backend=deepspeed", f"--trainer.torch_threads={max(1, torch_threads // ranks)}"])
 
 
+def spawn_env(sup: Supervisor, cfg: JetRLConfig, source: TaskSource, replica: int, cwd: str) -> None:
+    """One replica of a task's env: ``python -m services.envs TASK``, or the task's own program (``command``)
+    with the variables of ``ExternalEnv``, started in ``cwd`` (the config's directory)."""
+    name = f"env-{source.task}-{replica}"
+    if not source.command:
+        sup.spawn(name, ["services.envs", source.task])
+        return
+    told = ExternalEnv(nats_url=cfg.nats.url, nats_user=credentials(cfg.nats, "env").user,
+                       nats_password_file=password_file(cfg.nats, "env"), nats_prefix=cfg.nats.prefix,
+                       task=source.task, replica_id=name, heartbeat_ttl_s=cfg.controller.heartbeat_ttl_s)
+    sup.spawn(name, [], command=list(source.command), environ=told.environ(), cwd=cwd)
+
+
 def cmd_up(args: argparse.Namespace, overrides: list[str], mode: str = "up") -> int:
     cfg = load_config(args.config, MODE_DEFAULTS[mode] + eval_overrides(args) + overrides)
     preflight(cfg)  # before anything starts: a mistake in one line now, not a crash loop in minutes
     trainer_command(getattr(args, "trainer_ranks", 1), cfg.trainer.torch_threads)  # a bad --trainer-ranks: say so first
+    sources = {task: find_task(task, cfg.env) for task, share in cfg.controller.tasks.items() if share > 0}
+    command_dir = str(Path(args.config).resolve().parent) if args.config else os.getcwd()
     run_dir = Path(cfg.run.dir).resolve()
     if not getattr(args, "resume", False):
         _keep_earlier_run(run_dir, mode)
@@ -423,10 +449,9 @@ def cmd_up(args: argparse.Namespace, overrides: list[str], mode: str = "up") -> 
     stop = asyncio.Event()
     rc = 1
     try:
-        for task, share in cfg.controller.tasks.items():
-            if share > 0:
-                for i in range(args.env_replicas):
-                    sup.spawn(f"env-{task}-{i}", ["services.envs", task])
+        for source in sources.values():
+            for i in range(args.env_replicas):
+                spawn_env(sup, cfg, source, i, command_dir)
         for i in range(args.rollouts):
             sup.spawn(f"rollout-{i}", ["services.rollout"])
         for i in range(args.stale_engines):  # generation-only pool members on old weights (AgentRL)
@@ -690,7 +715,8 @@ def _main(argv: list[str]) -> int:
             p.add_argument("--engine", default=None, help="rollout.engine: continuous | hf | vllm | openai")
             p.add_argument("--base-url", default=None, help="openai engine: the server, e.g. http://host:8001/v1")
             p.add_argument("--model", default=None, help="openai engine: the model name the server knows")
-            p.add_argument("--suite", default=None, help="a task suite instead of controller.tasks (bfcl)")
+            p.add_argument("--suite", default=None, help="one task alone instead of controller.tasks (an "
+                                                          "eval-only benchmark task)")
     serve = sub.add_parser("serve", help="the policy over the OpenAI chat-completions API, following weight "
                                          "broadcasts (--config of a running training run)")
     serve.add_argument("--config", default=None)
@@ -714,8 +740,16 @@ def _main(argv: list[str]) -> int:
     status = sub.add_parser("status", help="the controller's /status of a run")
     status.add_argument("--run-dir", default="runs/latest")
     config = sub.add_parser("config", help="every config key with its default and help")
-    config.add_argument("--task", choices=TASKS, default=None,
-                        help="only what this task's env service reads: [env] and [env.<task>]")
+    config.add_argument("--task", default=None, help="only what this task's env service reads: [env] and "
+                                                     "[env.<task>] (any registered task)")
+    config.add_argument("--config", default=None, help="a config whose [env.<task>] factory names the task")
+    env_check = sub.add_parser("env-check", help="check a task's env against the env contract (oracle per split, bad "
+                                                 "calls, cancel, health) over a real nats-server; exit 1 on a failure")
+    env_check.add_argument("task")
+    env_check.add_argument("--config", default=None)
+    env_check.add_argument("--episodes", type=int, default=2, help="oracle episodes per split")
+    env_check.add_argument("--wait", type=float, default=600.0,
+                           help="seconds to wait for the env to answer (a first start may build its task data)")
     topology = sub.add_parser("topology", help="declare every stream and bucket as the NATS admin user "
                                                 "(authenticated servers: the services wait for it)")
     topology.add_argument("--config", default=None)
@@ -739,6 +773,10 @@ def _main(argv: list[str]) -> int:
         return cmd_quickstart(args, rest)
     if args.command == "topology":
         return cmd_topology(args, rest)
+    if args.command == "env-check":
+        from jetrl.envcheck import cmd_env_check
+
+        return cmd_env_check(args.task, args.config, rest, args.episodes, args.wait)
     if args.command == "export":
         return cmd_export(args, rest)
     if rest:
@@ -753,7 +791,7 @@ def _main(argv: list[str]) -> int:
         return cmd_creds(args)
     if args.command == "schema":
         return run_schema(args)
-    print(describe(args.task))
+    print(describe(args.task, load_config(args.config).env))
     return 0
 
 

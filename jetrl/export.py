@@ -3,7 +3,7 @@
 
     jetrl export --run-dir runs/rl -o rl.parquet --status completed --min-reward 1
     jetrl export --url nats://host:4222 --prefix jetrl --nats.user=observer \\
-        --nats.password_file=observer.pw --task db --since 2026-12-01T00:00 -o db.jsonl --tokens
+        --nats.password_file=observer.pw --task mytask --since 2026-12-01T00:00 -o mytask.jsonl --tokens
 
 From a run directory the run's own server is used while the run is live; a finished run's store is
 opened by a nats-server of our own (``jetrl.streams.open_run``). Progress goes to stderr.

@@ -1,27 +1,22 @@
 """What ``jetrl up`` (and sft, eval, probe, serve) checks before it starts anything, in well under a
-second: every task of the mix is known, the model can be loaded, every file the config names is there.
-A mistake here would otherwise show only minutes later, as a service's restarts and a traceback in its
-log. Nothing heavy is imported (no torch, no env code): the checks read names and files only."""
+second: every task of the mix is found (shared/tasks.py) and its ``[env.<task>]`` reads into its settings,
+the model can be loaded, every file the config names is there. A mistake here would otherwise show only
+minutes later, as a service's restarts and a traceback in its log. Nothing heavy is imported (no torch):
+the checks read names and files, and the tasks' modules, which build nothing until ``make_env``."""
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import glob
 import importlib.util
 import json
 from pathlib import Path
 
-from shared.config import TASKS, JetRLConfig
+from shared.config import ConfigError, JetRLConfig
+from shared.tasks import UnknownTask, known_tasks
 
-# the env sections' keys that name files (a list entry may be a glob, an OS one "FILES=SCRIPTS_DIR")
-FILE_KEYS = {"db": ("agentbench_file",), "kg": ("ntriples", "agentbench_file"),
-             "os": ("agentbench_train", "agentbench_test"), "alfworld": ("game_files",)}
 NATS_FILE_KEYS = ("creds_file", "password_file", "tls_ca", "tls_cert", "tls_key")
-
-
-def known_tasks() -> tuple[str, ...]:
-    """The tasks an env service can serve: those with a config section [env.<task>]."""
-    return TASKS
 
 
 def did_you_mean(name: str, choices: list[str] | tuple[str, ...]) -> str:
@@ -36,22 +31,52 @@ def check_config(cfg: JetRLConfig, serving: bool = False) -> list[str]:
     problems: list[str] = []
     tasks = [t for t, share in cfg.controller.tasks.items() if share > 0]
     if not serving:
-        for task in tasks:
-            if task not in known_tasks():
-                problems.append(f"controller.tasks: unknown task {task!r}{did_you_mean(task, known_tasks())} "
-                                f"(known: {', '.join(known_tasks())})")
+        problems += check_tasks(cfg, tasks)
     if cfg.rollout.engine not in ("oracle", "openai") or not serving:
         problems += check_model(cfg.model.name)
     for key in NATS_FILE_KEYS:
         problems += _missing(f"nats.{key}", getattr(cfg.nats, key))
     problems += _missing("controller.http_token_file", cfg.controller.http_token_file)
-    for task in tasks:
-        section = getattr(cfg.env, task, None)
-        for key in FILE_KEYS.get(task, ()):
-            value = getattr(section, key, "")
-            for entry in value if isinstance(value, list) else [value]:
-                pattern = entry.rpartition("=")[0] if task == "os" and "=" in entry else entry
-                problems += _missing(f"env.{task}.{key}", pattern, globbed=isinstance(value, list))
+    return problems
+
+
+def check_tasks(cfg: JetRLConfig, tasks: list[str]) -> list[str]:
+    """The mix names a task, each task of it and of every [env.<task>] is found and its settings read, and the
+    files its settings name (fields declared with ``opt(..., path=True)``) are there."""
+    known = known_tasks(cfg.env)
+    if not tasks:
+        return [f"controller.tasks: no task to run: name the task mix, e.g. --controller.tasks='{{\"TASK\": 1}}' "
+                f"or [controller] tasks = {{ TASK = 1.0 }} (known: {', '.join(known) or 'none'})"]
+    problems = []
+    if cfg.env.factory:
+        problems.append("env.factory names the make_env of one env replica (python -m services.envs TASK "
+                        "--env.factory=...); a run names each task's: [env.<task>] factory = ...")
+    for task in [*tasks, *sorted(set(cfg.env.sections) - set(tasks))]:
+        where = "controller.tasks" if task in tasks else f"env.{task}"
+        try:
+            settings = cfg.env.section(task)
+        except UnknownTask:
+            problems.append(f"{where}: unknown task {task!r}{did_you_mean(task, known)} (known: {', '.join(known)})")
+            continue
+        except ConfigError as exc:
+            problems.append(str(exc))
+            continue
+        if task in tasks and dataclasses.is_dataclass(settings):
+            problems += check_files(task, settings)
+    return problems
+
+
+def check_files(task: str, settings: object) -> list[str]:
+    """The files a task's settings name: a path, or a list of paths or globs (an entry ``FILES=DIR`` names its
+    files before the ``=``)."""
+    problems = []
+    for f in dataclasses.fields(settings):
+        if not f.metadata.get("path"):
+            continue
+        value = getattr(settings, f.name)
+        for entry in value if isinstance(value, list) else [value]:
+            pattern = entry.rpartition("=")[0] if isinstance(value, list) and "=" in entry else entry
+            problems += _missing(f"env.{task}.{f.name}", pattern, globbed=isinstance(value, list))
     return problems
 
 

@@ -2,7 +2,7 @@
 
     from jetrl.streams import subscribe
 
-    async with subscribe(url, creds, tasks=["db"], from_start=True) as trajectories:
+    async with subscribe(url, creds, tasks=["mytask"], from_start=True) as trajectories:
         async for traj in trajectories:          # shared.messages.Trajectory
             print(traj.task, traj.reward, trajectories.position.sequence)
 

@@ -247,6 +247,21 @@ def credentials(cfg: NatsConfig, role: str | None) -> Credentials:
     return Credentials()
 
 
+def password_file(cfg: NatsConfig, role: str) -> str:
+    """The file holding ``role``'s password, for a program that reads it itself (an external env: shared/tasks.py);
+    empty on an open server. A password given only inline (``nats.password``) has no file: refused."""
+    if cfg.creds_file:
+        raise AuthError("nats.creds_file: an external program gets a user and a password file, not a creds file")
+    if cfg.user:
+        if not cfg.password_file:
+            raise AuthError("nats.password: an external program reads its password from a file: set "
+                            "nats.password_file instead")
+        return cfg.password_file
+    if cfg.auth_dir:
+        return str(Path(cfg.auth_dir) / f"{credentials(cfg, role).user}.password")
+    return ""
+
+
 def manages_topology(cfg: NatsConfig, role: str | None) -> bool:
     """Whether this client creates and updates streams and buckets: on an open server, with one shared
     user (the behaviour before roles), and as admin; a role user only waits for them to exist."""

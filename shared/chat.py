@@ -76,7 +76,7 @@ def render_opening(messages: list[dict[str, Any]], tools: list[dict[str, Any]], 
         if m["role"] == "system":
             content += preamble
             has_system = True
-        elif m["role"] == "assistant" and m.get("tool_calls"):  # an example conversation (KG's one-shot)
+        elif m["role"] == "assistant" and m.get("tool_calls"):  # an example conversation (a task's one-shot example)
             content = render_tool_call(m)
         elif m["role"] == "tool":  # rendered as an observation is after a call
             out.append(_block("user", f"<tool_response>\n{content}\n</tool_response>"))
@@ -103,7 +103,7 @@ def parse_assistant(text: str, turn: int) -> dict[str, Any]:
     """OpenAI-format assistant message from generated text. A ``<tool_call>`` whose JSON is broken is
     passed on as ``invalid_tool_call`` so the env answers with a clear error observation; several
     ``<tool_call>``s are all passed on (ids ``call_<turn>``, then ``call_<turn>_<k>``): which of them run is the
-    episode's rule (``Episode.calls_per_message``; BFCL's episodes read the whole message)."""
+    episode's rule (``Episode.calls_per_message``; some episodes read the whole message)."""
     matches = TOOL_CALL.findall(text)
     content = TOOL_CALL.sub("", text).strip()
     message: dict[str, Any] = {"role": "assistant", "content": content}

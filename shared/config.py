@@ -5,10 +5,10 @@ Every field has a type, a default and a one-line help (``jetrl config`` prints t
 Unknown keys and values of the wrong type are refused with a message naming the key.
 
 The env section nests one level: generic keys in ``[env]``, each task's own in ``[env.<task>]``
-(``[env.db] levels``, ``JETRL__ENV__DB__LEVELS``, ``--env.db.levels``), so a user configuring one
-task reads only its keys (``jetrl config --task db``). A task section overrides a generic key only
-where ``EnvConfig.TASK_OVERRIDES`` allows it. The flat keys of before (``env.db_levels``) are refused
-with the new name.
+(``[env.<task>] levels``, ``JETRL__ENV__<TASK>__LEVELS``, ``--env.<task>.levels``). A task section is kept as given and
+read by the task's own settings class, which only its plugin knows (shared/tasks.py), where the task is
+served: unknown keys and wrong types are refused there, naming the key. A task section overrides a generic
+key only where ``EnvConfig.TASK_OVERRIDES`` allows it.
 """
 
 from __future__ import annotations
@@ -27,11 +27,13 @@ class ConfigError(ValueError):
     pass
 
 
-def opt(default: Any, help: str) -> Any:
-    """A config field: its default and its one-line help."""
+def opt(default: Any, help: str, path: bool = False) -> Any:
+    """A config field: its default and its one-line help; ``path``: it names a file (or a list of files or
+    globs) that must exist when set, which ``jetrl up`` checks before it starts anything."""
+    metadata = {"help": help, "path": path}
     if isinstance(default, (dict, list)):
-        return field(default_factory=lambda: json.loads(json.dumps(default)), metadata={"help": help})
-    return field(default=default, metadata={"help": help})
+        return field(default_factory=lambda: json.loads(json.dumps(default)), metadata=metadata)
+    return field(default=default, metadata=metadata)
 
 
 @dataclass
@@ -78,161 +80,85 @@ class ModelConfig:
     cache_dir: str = opt("", "where built/converted models are cached; empty = ~/.cache/jetrl/models")
 
 
-# ---- env: generic keys in [env], each task's own keys in [env.<task>] ----
-@dataclass
-class DBTaskConfig:
-    """[env.db]: SQL over SQLite (default) or a MariaDB/MySQL server."""
-
-    server: str = opt("", "MariaDB/MySQL admin URL (mysql://user:pass@host:port), one database per episode; "
-                          "empty = embedded SQLite")
-    query_timeout_s: float = opt(5.0, "time limit of one SQL statement (keep below env.action_timeout_s)")
-    max_rows: int = opt(1000, "rows read from one result set before it is cut")
-    agentbench_file: str = opt("", "AgentBench dbbench jsonl served as split 'dev'; empty = none")
-    levels: list[int] = opt([1, 2, 3], "difficulty levels of the generated splits (1 one table, 2 one table with two "
-                                       "conditions, 3 several tables); task i has level 1 + i % 3 and the others of "
-                                       "the num_*_tasks are left out")
-
-
-@dataclass
-class OSTaskConfig:
-    """[env.os]: bash in a sandbox per episode."""
-
-    backend: str = opt("bwrap", "sandbox per episode: bwrap (bubblewrap + overlayfs, no Docker) | docker")
-    suite: str = opt("bookworm", "Debian suite of the bwrap rootfs (built once by mmdebstrap, cached)")
-    mirror: str = opt("http://deb.debian.org/debian", "Debian mirror for the rootfs build")
-    docker_prefix: str = opt("jetrl-os", "docker backend images are <prefix>/default and <prefix>/packages")
-    command_timeout_s: float = opt(8.0, "wall-clock limit of one bash_action (kept below env.action_timeout_s)")
-    memory_mb: int = opt(1024, "memory cap of one episode's sandbox (AgentBench: 1 GiB)")
-    pids: int = opt(256, "process cap of one episode's sandbox (a fork bomb stops here)")
-    disk_mb: int = opt(512, "size of one episode's writable layer (tmpfs under the overlay)")
-    cpus: float = opt(1.0, "CPU share of one episode's sandbox")
-    agentbench_train: list[str] = opt([], "AgentBench OS task files (.json/.jsonl) added to the train split; each "
-                                          "a file or glob, optionally =SCRIPTS_DIR (else AgentBench's layout: "
-                                          "data/<N>/*.json -> scripts/<N>/)")
-    agentbench_test: list[str] = opt([], "AgentBench OS task files (.json/.jsonl) added to the test split (as "
-                                         "agentbench_train)")
-    levels: list[int] = opt([], "difficulty levels the generated splits keep (1-3); empty = all")
-
-
-@dataclass
-class KGTaskConfig:
-    """[env.kg]: SPARQL tools over a generated knowledge graph."""
-
-    result_cap: int = opt(1000, "most entities one tool call may produce; a bigger step is refused")
-    query_timeout_s: float = opt(3.0, "time limit of one SPARQL query (keep below env.action_timeout_s)")
-    seed: int = opt(0, "seed of the question generator (task ids and splits follow from it)")
-    levels: list[int] = opt([], "levels the splits keep (1-3: two to four joins); empty = all")
-    strict_prerequisites: bool = opt(False, "refuse get_neighbors / argmax / argmin before get_relations / "
-                                            "get_attributes on that variable; false = list them implicitly, as "
-                                            "AgentBench does")
-    one_shot: bool = opt(False, "open each episode with an example conversation (a solved question of the "
-                                "project's own graph), as AgentBench's std split does")
-    ntriples: str = opt("", "serve questions on this Freebase-namespace N-Triples graph (loaded once into a "
-                            "pyoxigraph store under data_dir) instead of the generated graph; no generated splits")
-    agentbench_file: str = opt("", "AgentBench-format questions (JSON list: question, entities, answer, actions) "
-                                   "served as split 'dev'")
-
-
-@dataclass
-class AlfworldTaskConfig:
-    """[env.alfworld]: generated ALFWorld games in a pool of engine processes."""
-
-    max_rounds: int = opt(20, "rounds per episode (AgentBench FC: 20); the catalogue records whether the expert "
-                              "wins within it")
-    snap_actions: bool = opt(True, "map a non-admissible command to the closest admissible one by BLEU, as "
-                                   "AgentBench does; false = the engine says Nothing happens.")
-    pool_size: int = opt(4, "engine processes kept beyond env.max_sessions for loaded, ready games")
-    prefetch: int = opt(1, "a cold start also loads its game in this many idle processes (GRPO plays a task "
-                           "group_size times)")
-    recycle_after: int = opt(50, "episodes an engine process plays before it is replaced (the engine leaks memory)")
-    game_files: list[str] = opt([], "real ALFWorld game files (.../<task>/trial_*/game.tw-pddl, traj_data.json "
-                                    "beside it): paths or globs, served as split 'dev'")
-    expert_filter: bool = opt(False, "keep in the catalogue only games the expert wins within max_rounds (the "
-                                     "old behaviour); false = the first games of each type, the expert's result "
-                                     "recorded beside them")
-    oracle: str = opt("expert", "expert (ALFWorld's handcoded expert: searches the room) | planner (reads the "
-                                "game's true state: straight to the object, station and goal)")
-    max_observation_chars: int = opt(4000, "overrides env.max_observation_chars: an observation lists every "
-                                           "admissible command")
-
-
-@dataclass
-class WebShopTaskConfig:
-    """[env.webshop]: a generated shop, search and click."""
-
-    num_products: int = opt(52000, "products in the generated catalogue (built once, cached)")
-    max_observation_chars: int = opt(2400, "overrides env.max_observation_chars: a results page is ~1.5k "
-                                           "characters")
-    levels: list[int] = opt([], "goal difficulties the splits keep (1 easy, 2 medium, 3 hard); empty = all")
-
-
-@dataclass
-class BFCLTaskConfig:
-    """[env.bfcl]: the Berkeley Function Calling Leaderboard's offline categories (PyPI bfcl-eval), eval only."""
-
-    categories: list[str] = opt(["simple_python", "multiple", "parallel", "irrelevance", "multi_turn_base"],
-                                "BFCL categories to run: simple_python, multiple, parallel, parallel_multiple, "
-                                "irrelevance, multi_turn_base")
-    per_category: int = opt(0, "first entries of each category to keep (0 = all)")
-    max_observation_chars: int = opt(4000, "overrides env.max_observation_chars: a multi-turn tool result "
-                                           "(a file listing, a ticket) is kept whole")
-
-
+# ---- env: generic keys in [env]; each task's own in [env.<task>], read by its plugin (shared/tasks.py) ----
 @dataclass
 class EnvConfig:
-    """[env]: what every task's env service reads; [env.<task>] sections hold each task's own keys."""
+    """[env]: what every task's env service reads; [env.<task>] sections hold each task's own keys,
+    read by the task's plugin (shared/tasks.py): ``section(task)``, or ``env.<task>`` for short."""
 
     TASK_OVERRIDES: ClassVar[frozenset[str]] = frozenset({"max_observation_chars"})
-    """Generic keys a task section may redefine, the task's value winning for that task (the only
-    case today: a webshop results page or alfworld's list of commands needs a longer observation).
-    A task section redefining any other generic key is refused when this module is imported."""
+    """Generic keys a task section may redefine, the task's value winning for that task (a results page
+    or a list of admissible commands needs a longer observation). A task's settings class redefining
+    any other generic key is refused (shared/tasks.py)."""
 
-    task: str = opt("db", "which task this env replica serves")
+    task: str = opt("", "which task this env replica serves (python -m services.envs TASK sets it)")
+    factory: str = opt("", "this env replica's make_env, package.module:make_env, overriding its task's "
+                           "[env.<task>] factory and entry point (python -m services.envs TASK --env.factory=...)")
     max_sessions: int = opt(64, "open sessions per replica; start is refused (503) beyond it")
     worker_threads: int = opt(32, "threads that run tool calls (and episode opens and closes) for all of a "
                                   "replica's sessions; a session's calls still run one at a time, in order. "
                                   "A call past action_timeout_s gives its slot back while its thread finishes")
     session_timeout_s: float = opt(600.0, "an idle session is closed after this many seconds")
     action_timeout_s: float = opt(10.0, "wall-clock limit for one tool call")
-    max_observation_chars: int = opt(800, "tool output beyond this is cut (and the cut stated); webshop and "
-                                          "alfworld have their own")
+    max_observation_chars: int = opt(800, "tool output beyond this is cut (and the cut stated); a task section "
+                                          "may set its own")
     invalid_action_ends_episode: bool = opt(False, "a turn without a usable tool call ends the episode "
                                                    "(status invalid_action, reward 0) instead of an error observation")
     num_train_tasks: int = opt(256, "generated training tasks per task type")
     num_test_tasks: int = opt(64, "generated test tasks per task type")
     data_dir: str = opt("", "cache for built task data; empty = ~/.cache/jetrl/data")
-    db: DBTaskConfig = field(default_factory=DBTaskConfig)
-    os: OSTaskConfig = field(default_factory=OSTaskConfig)
-    kg: KGTaskConfig = field(default_factory=KGTaskConfig)
-    alfworld: AlfworldTaskConfig = field(default_factory=AlfworldTaskConfig)
-    webshop: WebShopTaskConfig = field(default_factory=WebShopTaskConfig)
-    bfcl: BFCLTaskConfig = field(default_factory=BFCLTaskConfig)
+    sections: dict[str, Any] = field(default_factory=dict, metadata={"task_sections": True})
+    """[env.<task>] tables as given (a dict each; typed values from a file, text from flags and env vars), or
+    a task's settings instance (tests); not a key itself. ``section(task)`` reads one."""
+
+    def section(self, task: str) -> Any:
+        """[env.<task>] as the task's settings: an instance of its ``Config`` dataclass, validated, or the
+        table as a dict where it declares none (shared/tasks.py). Raises ConfigError for a bad key or an
+        unknown task. Read once, then kept."""
+        from shared.tasks import task_settings  # the registry reads EnvConfig: imported when first needed
+
+        cache = self.__dict__.setdefault("_settings", {})
+        if task not in cache:
+            cache[task] = task_settings(task, self)
+        return cache[task]
+
+    def __getattr__(self, name: str) -> Any:
+        """``env.<task>``: the task's settings (``section``), so a task's code reads ``cfg.<task>.key``."""
+        if name.startswith("_") or name == "sections" or "sections" not in self.__dict__:
+            raise AttributeError(name)
+        from shared.tasks import UnknownTask
+
+        try:
+            return self.section(name)
+        except UnknownTask:
+            raise AttributeError(f"EnvConfig has no key {name!r} and no task of that name") from None
+
+    def set_section(self, task: str, key: str, value: Any) -> None:
+        """Set one key of [env.<task>] (the settings are read again on next use)."""
+        raw = self.sections.setdefault(task, {})
+        if not isinstance(raw, dict):
+            raw = self.sections[task] = dataclasses.asdict(raw)
+        raw[key] = value
+        self.__dict__.get("_settings", {}).pop(task, None)
+        self.__dict__.get("_unknown_tasks", set()).discard(task)
 
     def task_value(self, task: str, key: str) -> Any:
         """A generic key as one task sees it: the task section's value where it overrides the key
-        (TASK_OVERRIDES), else [env]'s."""
-        section = getattr(self, task, None) if task in TASKS else None
-        if key in self.TASK_OVERRIDES and hasattr(section, key):
-            return getattr(section, key)
+        (TASK_OVERRIDES), else [env]'s. A task no registry knows (a test's own env) sees [env]'s."""
+        from shared.tasks import UnknownTask
+
+        if key in self.TASK_OVERRIDES:
+            unknown = self.__dict__.setdefault("_unknown_tasks", set())  # looked up once: a call per observation
+            try:
+                section = self.sections.get(task, {}) if task in unknown else self.section(task)
+            except UnknownTask:
+                unknown.add(task)
+                section = self.sections.get(task, {})
+            if isinstance(section, dict) and key in section:
+                return _check_type(section[key], _keys(EnvConfig)[key], f"env.{task}.{key}")
+            if not isinstance(section, dict) and hasattr(section, key):
+                return getattr(section, key)
         return getattr(self, key)
-
-
-TASKS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(EnvConfig)
-                               if dataclasses.is_dataclass(f.default_factory))
-"""The tasks with a section [env.<task>]: db, os, kg, alfworld, webshop."""
-
-MOVED_TO_TASK_SECTIONS: dict[str, tuple[str, ...]] = {
-    "db": ("server", "query_timeout_s", "max_rows", "agentbench_file", "levels"),
-    "os": ("backend", "suite", "mirror", "docker_prefix", "command_timeout_s", "memory_mb", "pids", "disk_mb", "cpus",
-           "agentbench_train", "agentbench_test"),
-    "kg": ("result_cap", "query_timeout_s", "seed"),
-    "alfworld": ("max_rounds", "snap_actions", "pool_size", "prefetch", "recycle_after", "max_observation_chars"),
-    "webshop": ("num_products", "max_observation_chars"),
-}
-"""Flat keys before issue 21: ``env.<task>_<key>`` is now ``env.<task>.<key>``. The old spelling is
-refused with an error that names the new one (in the form it was given: file, env var or flag)."""
-RENAMED: dict[str, str] = {f"env.{task}_{key}": f"env.{task}.{key}"
-                           for task, keys in MOVED_TO_TASK_SECTIONS.items() for key in keys}
 
 
 @dataclass
@@ -256,8 +182,8 @@ class RolloutConfig:
     concurrency: int = opt(4, "episodes one replica plays at once")
     task_concurrency: dict[str, int] = opt({}, "per-task lanes: task -> most episodes of that task one replica "
                                                "plays at once ('*' = every task not named), each task pulled "
-                                               "from its own consumer, so a slow task (os, alfworld) cannot "
-                                               "take the slots of a fast one; empty = one lane of `concurrency` "
+                                               "from its own consumer, so a slow task (a sandbox, a game engine) "
+                                               "cannot take the slots of a fast one; empty = one lane of `concurrency` "
                                                "slots for every task")
     max_new_tokens: int = opt(96, "tokens one turn may generate")
     tool_format: str = opt("json", "how the system prompt lists the tools: json (their JSON schemas, as Qwen2.5 "
@@ -355,7 +281,8 @@ class TrainerConfig:
 @dataclass
 class ControllerConfig:
     mode: str = opt("train", "train (publish training groups) | eval (each test task once, greedy, then report)")
-    tasks: dict[str, float] = opt({"db": 1.0}, "task mix: task -> share of episodes")
+    tasks: dict[str, float] = opt({}, "task mix: task -> share of episodes (any registered task: "
+                                      "shared/tasks.py); jetrl up and the controller need at least one")
     train_limit: int = opt(0, "train: draw groups from only the first this many training tasks of each task type "
                               "(0 = all); a probe with eval_split=train and the same eval_limit runs those tasks")
     eval_split: str = opt("test", "eval: the split to run")
@@ -387,8 +314,8 @@ class ControllerConfig:
     http_token: str = opt("", "bearer token the status API requires (Authorization: Bearer ...); empty = none")
     http_token_file: str = opt("", "file holding http_token (a Docker secret), instead of http_token")
     env_wait_s: float = opt(120.0, "wait this long for each task's env service to list its tasks before failing; "
-                                   "a replica whose heartbeat says it is building its task data (KG's first start: "
-                                   "~2-4 min on 2 busy cores) is waited for as long as it builds")
+                                   "a replica whose heartbeat says it is building its task data (a generated knowledge "
+                                   "graph: ~2-4 min on 2 busy cores) is waited for as long as it builds")
 
 
 @dataclass
@@ -496,30 +423,20 @@ def _check_type(value: Any, hint: Any, key: str) -> Any:
 def _keys(section: Any) -> dict[str, Any]:
     """Key -> type of a config section (a dataclass or its class); ClassVars are not keys."""
     hints = typing.get_type_hints(section if isinstance(section, type) else type(section))
-    return {f.name: hints[f.name] for f in dataclasses.fields(section)}
-
-
-def _spelled(dotted: str, source: str) -> str:
-    """How to write a key in the form the user gave one: a TOML line, an env var or a flag."""
-    if source == "env var":
-        return "JETRL__" + dotted.upper().replace(".", "__") + "=..."
-    if source == "flag":
-        return f"--{dotted}=..."
-    table, _, key = dotted.rpartition(".")
-    return f"[{table}] {key} = ..."
+    return {f.name: hints[f.name] for f in dataclasses.fields(section) if not f.metadata.get("task_sections")}
 
 
 def _apply(cfg: JetRLConfig, path: list[str], value: Any, source: str) -> None:
-    """Set the key at ``path`` (["env", "db", "levels"]), walking down the sections. ``source`` is
+    """Set the key at ``path`` (["env", "<task>", "levels"]), walking down the sections. ``source`` is
     "file" (value already typed by TOML), "env var" or "flag" (value is text to parse)."""
     node: Any = cfg
     for depth, name in enumerate(path):
         dotted = ".".join(path[:depth + 1])
         keys = _keys(node)
         if name not in keys:
-            if dotted in RENAMED:
-                raise ConfigError(f"config key {dotted} is now {RENAMED[dotted]}: "
-                                  f"write {_spelled(RENAMED[dotted], source)}")
+            if isinstance(node, EnvConfig):  # [env.<task>]: kept as given, read by the task's plugin
+                _apply_task_key(node, path, value, source)
+                return
             near = difflib.get_close_matches(name, list(keys), n=1, cutoff=0.6)
             hint = f"did you mean {'.'.join([*path[:depth], near[0]])}?" if near else f"known: {', '.join(sorted(keys))}"
             if depth == 0:
@@ -542,10 +459,33 @@ def _apply(cfg: JetRLConfig, path: list[str], value: Any, source: str) -> None:
         setattr(node, name, _check_type(value, hint, dotted))
 
 
+def _apply_task_key(env: EnvConfig, path: list[str], value: Any, source: str) -> None:
+    """A key of [env.<task>] (``path`` = ["env", task, key], or ["env", task] with a TOML table). Only its
+    name is checked here: the task's settings class, which only the task's plugin knows, checks the rest
+    where the task is served (``EnvConfig.section``)."""
+    from shared.subjects import check_token
+
+    task = path[1]
+    if len(path) == 2 and source == "file" and isinstance(value, dict):
+        for key, item in value.items():
+            _apply_task_key(env, [*path, key], item, source)
+        return
+    if len(path) != 3:
+        near = difflib.get_close_matches(task, list(_keys(env)), n=1, cutoff=0.6) if len(path) == 2 else []
+        hint = (f"did you mean env.{near[0]}?" if near else f"known: {', '.join(sorted(_keys(env)))}; a task's own "
+                "keys go in its section: [env.<task>] key = ..., --env.<task>.key=...")
+        raise ConfigError(f"unknown config key {'.'.join(path)} ({hint})")
+    try:
+        check_token(task, "task")
+    except ValueError as exc:
+        raise ConfigError(f"config section env.{task}: {exc}") from None
+    env.set_section(task, path[2], value)
+
+
 def load_config(path: str | os.PathLike[str] | None = None, overrides: list[str] | None = None,
                 environ: dict[str, str] | None = None) -> JetRLConfig:
     """File, then env vars ``JETRL__SECTION__KEY`` (``JETRL__ENV__DB__LEVELS``), then
-    ``section.key=value`` overrides (``env.db.levels=1,2``)."""
+    ``section.key=value`` overrides (``env.<task>.levels=1,2``)."""
     cfg = JetRLConfig()
     if path:
         try:
@@ -583,8 +523,8 @@ def validate(cfg: JetRLConfig) -> None:
     """Cross-field checks and derived values, in one place."""
     if cfg.controller.group_size < 1:
         raise ConfigError("controller.group_size must be >= 1")
-    if not cfg.controller.tasks or any(w < 0 for w in cfg.controller.tasks.values()):
-        raise ConfigError("controller.tasks must map at least one task to a non-negative share")
+    if any(w < 0 for w in cfg.controller.tasks.values()):
+        raise ConfigError(f"controller.tasks must map tasks to non-negative shares, got {cfg.controller.tasks}")
     if cfg.trainer.min_groups < 1 or cfg.trainer.max_groups < cfg.trainer.min_groups:
         raise ConfigError("trainer: need 1 <= min_groups <= max_groups")
     if cfg.controller.mode not in ("train", "eval"):
@@ -619,9 +559,10 @@ def validate(cfg: JetRLConfig) -> None:
                           "engines are off-policy by design")
     for key, lanes in (("rollout.task_concurrency", cfg.rollout.task_concurrency),
                        ("controller.task_max_inflight", cfg.controller.task_max_inflight)):
-        unknown = set(lanes) - set(TASKS) - {"*"}
+        unknown = set(lanes) - set(cfg.controller.tasks) - {"*"} if cfg.controller.tasks else set()
         if unknown or any(v < 1 for v in lanes.values()):
-            raise ConfigError(f"{key} maps tasks ({', '.join(TASKS)}, or '*') to at least 1, got {lanes}")
+            raise ConfigError(f"{key} maps the run's tasks (controller.tasks: {', '.join(cfg.controller.tasks)}; "
+                              f"or '*') to at least 1, got {lanes}")
     if cfg.run.log_format not in ("console", "json"):
         raise ConfigError("run.log_format must be console or json")
     if cfg.env.worker_threads < 1 or cfg.env.max_sessions < 1:
@@ -629,24 +570,24 @@ def validate(cfg: JetRLConfig) -> None:
 
 
 def save_config(cfg: JetRLConfig, path: str | os.PathLike[str]) -> None:
-    """Write the config as TOML (readable back by load_config): [section], then its [section.sub]."""
+    """Write the config as TOML (readable back by load_config): [section], then its [section.sub], then
+    each [env.<task>] given (all of a task's keys, typed, once its settings were read)."""
     lines: list[str] = []
 
-    def table(name: str, section: Any) -> None:
+    def table(name: str, values: dict[str, Any]) -> None:
         lines.append(f"[{name}]")
-        subsections = []
-        for key in _keys(section):
-            value = getattr(section, key)
-            if dataclasses.is_dataclass(value):
-                subsections.append((f"{name}.{key}", value))
-            else:
-                lines.append(f"{key} = {_toml_value(value)}")
+        lines.extend(f"{key} = {_toml_value(value)}" for key, value in values.items())
         lines.append("")
-        for sub_name, sub in subsections:
-            table(sub_name, sub)
 
     for name in _keys(cfg):
-        table(name, getattr(cfg, name))
+        section = getattr(cfg, name)
+        table(name, {key: getattr(section, key) for key in _keys(section)})
+    for task, raw in cfg.env.sections.items():
+        values = dict(raw) if isinstance(raw, dict) else dataclasses.asdict(raw)
+        typed = cfg.env.__dict__.get("_settings", {}).get(task)
+        if dataclasses.is_dataclass(typed):
+            values.update(dataclasses.asdict(typed))
+        table(f"env.{task}", values)
     # 0600, like the NATS passwords: a config may hold secrets (an API key, a password)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     os.fchmod(fd, 0o600)  # an existing file keeps its mode through O_CREAT: narrow it too
@@ -668,38 +609,47 @@ def _toml_value(value: Any) -> str:
     raise ConfigError(f"cannot write {value!r} as TOML")
 
 
-def describe(task: str | None = None) -> str:
+def describe(task: str | None = None, env: EnvConfig | None = None) -> str:
     """Every key with its type, default and help: the text behind `jetrl config`. With a task, only
-    what that task's env service reads: [env] and [env.<task>], with the keys the task overrides."""
-    if task is not None and task not in TASKS:
-        raise ConfigError(f"unknown task {task!r} (known: {', '.join(TASKS)})")
+    what that task's env service reads: [env] and [env.<task>] (from the task's settings class, found
+    through ``env``'s sections or the task's entry point: shared/tasks.py)."""
+    from shared.tasks import registered_tasks, settings_help
+
+    env = env if env is not None else EnvConfig()
     out: list[str] = []
 
-    def table(name: str, section: Any) -> None:
+    def line(key: str, hint: Any, value: Any, help: str, note: str = "") -> None:
+        out.append(f"  {key} ({getattr(hint, '__name__', hint)}) = {value!r}  # {help}{note}")
+
+    def table(name: str, section: Any, overridden: set[str] = frozenset()) -> None:
         out.append(f"[{name}]")
         helps = {f.name: f.metadata.get("help", "") for f in dataclasses.fields(section)}
-        subsections = []
         for key, hint in _keys(section).items():
-            value = getattr(section, key)
-            if dataclasses.is_dataclass(value):
-                if task is None or key == task:
-                    subsections.append((f"{name}.{key}", value))
-                continue
-            note = ""
-            if task is not None and name == "env" and key in EnvConfig.TASK_OVERRIDES and \
-                    hasattr(getattr(section, task), key):
-                note = f"  [{task} uses env.{task}.{key} instead]"
-            out.append(f"  {key} ({getattr(hint, '__name__', hint)}) = {value!r}  # {helps[key]}{note}")
-        for sub_name, sub in subsections:
-            table(sub_name, sub)
+            note = f"  [{task} uses env.{task}.{key} instead]" if key in overridden else ""
+            line(key, hint, getattr(section, key), helps[key], note)
+
+    def task_table(name: str) -> None:
+        try:
+            keys = settings_help(name, env)
+        except ConfigError as exc:
+            out.append(f"[env.{name}]  # its settings cannot be read here: {exc}")
+            return
+        out.append(f"[env.{name}]")
+        for key, hint, value, help in keys:
+            line(key, hint, value, help)
 
     cfg = JetRLConfig()
-    for name in _keys(cfg):
-        if task is None or name == "env":
-            table(name, getattr(cfg, name))
     if task is not None:
+        keys = {key for key, *_ in settings_help(task, env)}  # an unknown task: UnknownTask, naming the known
+        table("env", cfg.env, keys & EnvConfig.TASK_OVERRIDES)
+        task_table(task)
         out.insert(0, f"# what the {task} env service reads: [env] (every task) and [env.{task}]; "
                       "`jetrl config` lists every section")
+        return "\n".join(out)
+    for name in _keys(cfg):
+        table(name, getattr(cfg, name))
+    for name in sorted(registered_tasks()):
+        task_table(name)
     return "\n".join(out)
 
 
@@ -722,20 +672,3 @@ def from_argv(argv: list[str], positional: int = 0) -> tuple[JetRLConfig, list[s
     if len(args) != positional:
         raise ConfigError(f"expected {positional} positional argument(s), got {args}")
     return load_config(path, overrides), args
-
-
-def _check_task_sections() -> None:
-    """A task section may shadow a generic [env] key only if EnvConfig.TASK_OVERRIDES lists it, with
-    the same type: an override is a decision written down, never an accident of naming."""
-    generic = _keys(EnvConfig)
-    for task in TASKS:
-        for key, hint in _keys(generic[task]).items():
-            if key in generic and (key not in EnvConfig.TASK_OVERRIDES or hint != generic[key]):
-                raise TypeError(f"env.{task}.{key} shadows env.{key}, which EnvConfig.TASK_OVERRIDES does not allow")
-    for task, keys in MOVED_TO_TASK_SECTIONS.items():
-        missing = set(keys) - set(_keys(generic[task]))
-        if missing:
-            raise TypeError(f"MOVED_TO_TASK_SECTIONS names keys env.{task} lacks: {sorted(missing)}")
-
-
-_check_task_sections()

@@ -1,10 +1,10 @@
 """Progress with an ETA for long commands: a bar on a terminal, periodic log lines otherwise.
 
-    with Progress("eval db", total=40, unit="episodes") as bar:
+    with Progress("eval", total=40, unit="episodes") as bar:
         for ...:
             bar.update()          # or bar.set(done)
 
-    results = list(track(pool.map(run, ids), "os tasks", total=len(ids), unit="tasks"))
+    results = list(track(pool.map(run, ids), "tasks", total=len(ids), unit="tasks"))
 
 On a TTY one line is redrawn in place (at most 10 times a second); anywhere else (a log file, CI,
 a pipe) a plain line is written every ``every_s`` seconds and at the end, so a 14-minute command
@@ -25,7 +25,7 @@ from typing import TextIO, TypeVar
 T = TypeVar("T")
 
 # (label, done, total) of every Progress as it moves: an env replica puts its data build on its heartbeat
-# ("building, kg questions 43 %"), so the controller waits for it instead of giving up (services/envs)
+# ("building, questions 43 %"), so the controller waits for it instead of giving up (services/envs)
 ProgressListener = Callable[[str, int, "int | None"], None]
 _listeners: list[ProgressListener] = []
 

@@ -1,6 +1,6 @@
 """What an env replica tells the registry while it builds its data, before it serves.
 
-A first start may build task data for minutes (KG's graph and question sets: ~3 min on 2 busy cores).
+A first start may build task data for minutes (a generated knowledge graph and its question sets: ~3 min on 2 busy cores).
 The replica heartbeats from the moment it is connected, with ``state = "building"`` and the stage and
 percent of the build in progress (every ``shared.progress.Progress`` of the build reports here), then
 ``state = "ready"`` once it serves. The controller reads these heartbeats and waits for a replica that
@@ -26,7 +26,7 @@ def is_building(info: dict[str, Any]) -> bool:
 
 
 def describe_build(info: dict[str, Any]) -> str:
-    """``building, kg questions 43 %`` (or without the percent while a stage has no count)."""
+    """``building, questions 43 %`` (or without the percent while a stage has no count)."""
     stage, percent = info.get("build") or "", info.get("percent")
     text = f"building, {stage}" if stage else "building"
     return f"{text} {percent:.0f} %" if isinstance(percent, (int, float)) else text

@@ -23,7 +23,7 @@ def check_token(value: str, what: str) -> str:
 
 
 def user_role(role: str) -> str:
-    """The NATS user role a service role belongs to: ``env-db`` (a task's env) is an ``env``."""
+    """The NATS user role a service role belongs to: ``env-<task>`` (a task's env) is an ``env``."""
     return role.split("-", 1)[0]
 
 
@@ -170,7 +170,7 @@ class Subjects:
 
     @staticmethod
     def registry_key(role: str, replica_id: str) -> str:
-        """A replica's registry key, ``<user role>.<replica_id>`` (``env.env-db-host-12`` for role ``env-db``): the
+        """A replica's registry key, ``<user role>.<replica_id>`` (``env.env-mytask-host-12`` for role ``env-mytask``): the
         role is read from the key, which that role's users alone may write (shared/auth.py), never from the
         heartbeat's body."""
         return f"{user_role(check_token(role, 'role'))}.{check_token(replica_id, 'replica id')}"

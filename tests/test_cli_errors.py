@@ -27,10 +27,10 @@ def errors_of(capsys: pytest.CaptureFixture[str], argv: list[str]) -> list[str]:
 
 def test_jetrl_up_refuses_a_bad_config_in_one_line_before_starting_anything(tmp_path, capsys) -> None:
     run_dir = tmp_path / "run"
-    up = ["up", f"--run.dir={run_dir}"]
+    up = ["up", f"--run.dir={run_dir}", '--controller.tasks={"db": 1}']
     assert errors_of(capsys, [*up, '--controller.tasks={"dbb": 1}']) == [
-        "jetrl: error: controller.tasks: unknown task 'dbb' (did you mean 'db'?) (known: db, os, kg, alfworld, "
-        "webshop, bfcl)"]
+        "jetrl: error: controller.tasks: unknown task 'dbb' (did you mean 'db'?) (known: alfworld, bfcl, db, kg, "
+        "os, webshop)"]
     assert errors_of(capsys, [*up, "--model.name=runs/nowhere/model"]) == [
         f"jetrl: error: model.name='runs/nowhere/model': not 'tiny', 'smollm2' or a directory "
         f"({Path('runs/nowhere/model').resolve()} does not exist)"]

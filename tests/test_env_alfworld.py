@@ -21,10 +21,11 @@ import pytest
 pytest.importorskip("alfworld", reason="the alfworld extra is not installed (pip install -e '.[alfworld]')")
 
 from services.envs.alfworld_env import AlfworldEnv, agentbench_task_ids, gen, make_env, snap  # noqa: E402
+from services.envs.alfworld_env.config import AlfworldTaskConfig
 from services.envs.alfworld_env.pool import EngineDied  # noqa: E402
 from services.envs.base import ToolCall, ToolError  # noqa: E402
 from services.envs.host import EnvHost  # noqa: E402
-from shared.config import AlfworldTaskConfig, EnvConfig  # noqa: E402
+from shared.config import EnvConfig  # noqa: E402
 from shared.envapi import EnvClient  # noqa: E402
 from tests.host_turns import HostSession, assistant_calls  # noqa: E402
 
@@ -34,7 +35,7 @@ REPO = Path(__file__).resolve().parent.parent
 @pytest.fixture(scope="module")
 def env() -> Iterator[AlfworldEnv]:
     cfg = EnvConfig(task="alfworld", num_train_tasks=1, num_test_tasks=1, max_sessions=6,
-                    alfworld=AlfworldTaskConfig(pool_size=2, prefetch=0))
+                    sections={"alfworld": AlfworldTaskConfig(pool_size=2, prefetch=0)})
     env = make_env(cfg)
     yield env
     env.close()
@@ -317,8 +318,8 @@ def test_game_files_and_tuples_serve_alfworlds_own_layout(env: AlfworldEnv, tmp_
         for name in ("game.tw-pddl", "traj_data.json", "initial_state.pddl"):
             (dst / name).write_bytes((src / name).read_bytes())
     cfg = EnvConfig(task="alfworld", num_train_tasks=1, num_test_tasks=1, max_sessions=2,
-                    alfworld=AlfworldTaskConfig(pool_size=1, prefetch=0,
-                                                game_files=[str(tmp_path / "json_2.1.1" / "**" / "game.tw-pddl")]))
+                    sections={"alfworld": AlfworldTaskConfig(pool_size=1, prefetch=0,
+                                                game_files=[str(tmp_path / "json_2.1.1" / "**" / "game.tw-pddl")])})
     files_env = make_env(cfg)
     try:
         dev = files_env.task_ids("dev")
@@ -329,7 +330,7 @@ def test_game_files_and_tuples_serve_alfworlds_own_layout(env: AlfworldEnv, tmp_
         files_env.close()
     with pytest.raises(FileNotFoundError, match="no file matches"):
         make_env(EnvConfig(task="alfworld", num_train_tasks=1, num_test_tasks=1,
-                           alfworld=AlfworldTaskConfig(game_files=[str(tmp_path / "none" / "*.tw-pddl")])))
+                           sections={"alfworld": AlfworldTaskConfig(game_files=[str(tmp_path / "none" / "*.tw-pddl")])}))
 
 
 def test_planner_oracle_wins_the_games_the_expert_loses(env: AlfworldEnv) -> None:
@@ -339,7 +340,7 @@ def test_planner_oracle_wins_the_games_the_expert_loses(env: AlfworldEnv) -> Non
         assert all(env.catalogue[split]["expert"][t]["planner_won"] for t in env.task_ids(split)), split
     lost = [t for t in env.task_ids("test") if t not in won(env, "test")]
     cfg = EnvConfig(task="alfworld", num_train_tasks=1, num_test_tasks=1, max_sessions=2,
-                    alfworld=AlfworldTaskConfig(pool_size=1, prefetch=0, oracle="planner"))
+                    sections={"alfworld": AlfworldTaskConfig(pool_size=1, prefetch=0, oracle="planner")})
     planner_env = make_env(cfg)
     try:
         for task_id in lost[:2] or env.task_ids("test")[:1]:

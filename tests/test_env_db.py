@@ -13,10 +13,11 @@ import pytest
 from services.envs.base import ToolCall
 from services.envs.db import make_env
 from services.envs.db.backends import Limits, SQLiteDB
+from services.envs.db.config import DBTaskConfig
 from services.envs.db.grading import clean_answer, compare, rows_hash
 from services.envs.db.tasks import Table
 from services.envs.host import EnvHost
-from shared.config import DBTaskConfig, EnvConfig, JetRLConfig
+from shared.config import EnvConfig, JetRLConfig
 from shared.envapi import EnvClient
 from tests.host_turns import HostSession, assistant_calls
 
@@ -109,7 +110,7 @@ def test_generated_tasks_are_stable_disjoint_and_cover_levels_and_types(env) -> 
 
 
 def test_db_levels_selects_a_curriculum_and_refuses_the_rest() -> None:
-    easy = make_env(EnvConfig(num_train_tasks=12, num_test_tasks=9, db=DBTaskConfig(levels=[1, 2])))
+    easy = make_env(EnvConfig(num_train_tasks=12, num_test_tasks=9, sections={"db": DBTaskConfig(levels=[1, 2])}))
     try:
         ids = easy.task_ids("test")
         assert ids == ["test-00000", "test-00001", "test-00003", "test-00004", "test-00006", "test-00007"]
@@ -120,7 +121,7 @@ def test_db_levels_selects_a_curriculum_and_refuses_the_rest() -> None:
     finally:
         easy.close()
     with pytest.raises(ValueError, match=r"env\.db\.levels"):
-        make_env(EnvConfig(db=DBTaskConfig(levels=[4])))
+        make_env(EnvConfig(sections={"db": DBTaskConfig(levels=[4])}))
 
 
 def test_oracle_solves_a_sample_of_generated_tasks(env) -> None:
@@ -161,7 +162,7 @@ def test_source_catalogues_build_deterministically(tmp_path: Path) -> None:
 
 # ---------------------------------------------------------------------------- AgentBench dev
 def dev_env(agentbench: Path) -> object:
-    cfg = EnvConfig(db=DBTaskConfig(agentbench_file=str(agentbench / "dbbench" / "dev.jsonl")))
+    cfg = EnvConfig(sections={"db": DBTaskConfig(agentbench_file=str(agentbench / "dbbench" / "dev.jsonl"))})
     return make_env(cfg)
 
 

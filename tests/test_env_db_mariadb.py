@@ -14,9 +14,10 @@ import pytest
 from services.envs.base import ToolCall
 from services.envs.db import make_env
 from services.envs.db.backends import Limits, MariaDBServer, SQLiteDB
+from services.envs.db.config import DBTaskConfig
 from services.envs.db.tasks import Table
 from services.envs.host import EnvHost
-from shared.config import DBTaskConfig, EnvConfig
+from shared.config import EnvConfig
 from shared.envapi import EnvClient
 from tests.test_env_db import need_sources
 
@@ -63,7 +64,7 @@ def gone(server: MariaDBServer, name: str, wait_s: float = 10.0) -> bool:
 
 
 def test_agentbench_dev_gold_and_perturbed_on_mariadb(server, agentbench: Path) -> None:
-    env = make_env(EnvConfig(db=DBTaskConfig(server=SERVER, agentbench_file=str(agentbench / "dbbench" / "dev.jsonl"))))
+    env = make_env(EnvConfig(sections={"db": DBTaskConfig(server=SERVER, agentbench_file=str(agentbench / "dbbench" / "dev.jsonl"))}))
     try:
         ids = env.task_ids("dev")
         assert len(ids) == 60
@@ -95,7 +96,7 @@ def test_agentbench_dev_gold_and_perturbed_on_mariadb(server, agentbench: Path) 
 
 def test_generated_tasks_grade_alike_on_both_backends(server) -> None:
     need_sources()
-    env = make_env(EnvConfig(num_train_tasks=60, num_test_tasks=12, db=DBTaskConfig(server=SERVER)))
+    env = make_env(EnvConfig(num_train_tasks=60, num_test_tasks=12, sections={"db": DBTaskConfig(server=SERVER)}))
     lite = make_env(EnvConfig(num_train_tasks=60, num_test_tasks=12))
     try:
         for split in ("train", "test"):

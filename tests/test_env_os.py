@@ -20,6 +20,7 @@ import pytest
 from services.envs.base import ToolCall, ToolError
 from services.envs.host import EnvHost
 from services.envs.os_task import OSEnv, OSEpisode
+from services.envs.os_task.config import OSTaskConfig
 from services.envs.os_task.sandbox import BwrapSandbox, SandboxError, rootfs_path
 from services.envs.os_task.tasks import (
     COMPARISONS,
@@ -31,7 +32,7 @@ from services.envs.os_task.tasks import (
     generate_split,
     parse_agentbench,
 )
-from shared.config import EnvConfig, OSTaskConfig
+from shared.config import EnvConfig
 from shared.envapi import EnvClient, EnvError
 from tests.sandbox_checks import BEHAVIOUR_TASKS, assert_behaves_like_agentbenchs_container, assert_limits_hold
 
@@ -50,7 +51,7 @@ def env() -> OSEnv:
     if reason := sandbox_missing():
         pytest.skip(reason)
     cfg = EnvConfig(task="os", num_train_tasks=6, num_test_tasks=6,
-                    os=OSTaskConfig(command_timeout_s=3.0, disk_mb=64, memory_mb=256))
+                    sections={"os": OSTaskConfig(command_timeout_s=3.0, disk_mb=64, memory_mb=256)})
     env = OSEnv(cfg)
     env.rootfs("default")  # built once (mmdebstrap, ~30 s-2 min) and cached, as `make setup-os` does
     yield env
@@ -207,7 +208,7 @@ def test_agentbench_training_tasks_init_gold_check(agentbench: Path) -> None:
         pytest.skip(reason)
     path = agentbench / "os_interaction" / "train_0317" / "training.json"
     env = OSEnv(EnvConfig(task="os", num_train_tasks=0, num_test_tasks=0,
-                          os=OSTaskConfig(agentbench_train=[str(path)])))
+                          sections={"os": OSTaskConfig(agentbench_train=[str(path)])}))
     ids = env.task_ids("train")
     assert len(ids) == 1000 and not env.skipped
     sample = ids[::67]
@@ -239,7 +240,7 @@ def test_agentbench_dev_tasks_with_start_and_match(agentbench: Path) -> None:
     if reason := sandbox_missing():
         pytest.skip(reason)
     env = OSEnv(EnvConfig(task="os", num_train_tasks=0, num_test_tasks=0,
-                          os=OSTaskConfig(agentbench_test=[str(agentbench / "os_interaction" / "data" / "dev.json")])))
+                          sections={"os": OSTaskConfig(agentbench_test=[str(agentbench / "os_interaction" / "data" / "dev.json")])}))
     assert len(env.task_ids("test")) == 23 and all("not available" in r for r in env.skipped.values())
     with ThreadPoolExecutor(4) as pool:
         rewards = list(pool.map(lambda t: solve(env, t, "test"), env.task_ids("test")))
@@ -435,8 +436,8 @@ def write_agentbench_layout(root: Path) -> None:
 
 def test_agentbench_layout_finds_scripts_and_keeps_ids_apart(tmp_path: Path) -> None:
     write_agentbench_layout(tmp_path)
-    env = OSEnv(EnvConfig(task="os", num_train_tasks=0, num_test_tasks=0, os=OSTaskConfig(
-        agentbench_test=[str(tmp_path / "data" / "*" / "new.json"), str(tmp_path / "data" / "dev.json")])))
+    env = OSEnv(EnvConfig(task="os", num_train_tasks=0, num_test_tasks=0, sections={"os": OSTaskConfig(
+        agentbench_test=[str(tmp_path / "data" / "*" / "new.json"), str(tmp_path / "data" / "dev.json")])}))
     ids = env.task_ids("test")
     assert ids == ["ab-1-new-00000", "ab-1-new-00001", "ab-2-new-00000", "ab-2-new-00001", "ab-dev-00000"]
     assert not env.skipped
@@ -445,18 +446,18 @@ def test_agentbench_layout_finds_scripts_and_keeps_ids_apart(tmp_path: Path) -> 
     assert env.tasks["test"]["ab-dev-00000"].example.code == "echo dev > /root/word\n"
     env.close()
     # an explicit scripts folder (AgentBench's script_dir) wins over the layout
-    env = OSEnv(EnvConfig(task="os", num_train_tasks=0, num_test_tasks=0, os=OSTaskConfig(
-        agentbench_train=[f"{tmp_path / 'data' / '1' / 'new.json'}={tmp_path / 'scripts' / '2'}"])))
+    env = OSEnv(EnvConfig(task="os", num_train_tasks=0, num_test_tasks=0, sections={"os": OSTaskConfig(
+        agentbench_train=[f"{tmp_path / 'data' / '1' / 'new.json'}={tmp_path / 'scripts' / '2'}"])}))
     assert env.tasks["train"]["ab-1-new-00000"].check[0].code.strip().endswith("= two ]")
     env.close()
     # the same file twice (or two files with the same id) is an error, never an overwrite
     with pytest.raises(ValueError, match="ab-1-new-00000 .* also the id"):
-        OSEnv(EnvConfig(task="os", num_train_tasks=0, num_test_tasks=0, os=OSTaskConfig(
+        OSEnv(EnvConfig(task="os", num_train_tasks=0, num_test_tasks=0, sections={"os": OSTaskConfig(
             agentbench_train=[str(tmp_path / "data" / "1" / "new.json")],
-            agentbench_test=[str(tmp_path / "data" / "1" / "*.json")])))
+            agentbench_test=[str(tmp_path / "data" / "1" / "*.json")])}))
     with pytest.raises(FileNotFoundError, match="no AgentBench task file matches"):
         OSEnv(EnvConfig(task="os", num_train_tasks=0, num_test_tasks=0,
-                        os=OSTaskConfig(agentbench_test=[str(tmp_path / "nothing" / "*.json")])))
+                        sections={"os": OSTaskConfig(agentbench_test=[str(tmp_path / "nothing" / "*.json")])}))
 
 
 async def test_sandbox_behaves_like_agentbenchs_container(tmp_path: Path) -> None:
@@ -467,7 +468,7 @@ async def test_sandbox_behaves_like_agentbenchs_container(tmp_path: Path) -> Non
 
     def make_env(action_timeout_s: float) -> OSEnv:
         env = OSEnv(EnvConfig(task="os", num_train_tasks=0, num_test_tasks=0, action_timeout_s=action_timeout_s,
-                              os=OSTaskConfig(agentbench_test=[str(tmp_path / "box.json")])))
+                              sections={"os": OSTaskConfig(agentbench_test=[str(tmp_path / "box.json")])}))
         env.rootfs("default")
         return env
 

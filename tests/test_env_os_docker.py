@@ -15,9 +15,10 @@ import pytest
 
 from services.envs.base import ToolCall
 from services.envs.os_task import OSEnv, OSEpisode
+from services.envs.os_task.config import OSTaskConfig
 from services.envs.os_task.docker_sandbox import DEBIAN_BASE, build_docker_images, docker_disk_cap
 from services.envs.os_task.sandbox import Limits, sandbox_nofile
-from shared.config import EnvConfig, OSTaskConfig
+from shared.config import EnvConfig
 from tests.sandbox_checks import BEHAVIOUR_TASKS, assert_behaves_like_agentbenchs_container, assert_limits_hold
 
 PREFIX = "jetrl-os"
@@ -55,8 +56,8 @@ def env(client) -> OSEnv:  # noqa: ANN001
                 pytest.skip(f"no {PREFIX}/default image and no base to build it FROM (make setup-os-docker)")
         build_docker_images(PREFIX, variants=("default",))
     env = OSEnv(EnvConfig(task="os", num_train_tasks=6, num_test_tasks=6,
-                          os=OSTaskConfig(backend="docker", docker_prefix=PREFIX, command_timeout_s=3.0,
-                                          disk_mb=64, memory_mb=256)))
+                          sections={"os": OSTaskConfig(backend="docker", docker_prefix=PREFIX, command_timeout_s=3.0,
+                                          disk_mb=64, memory_mb=256)}))
     yield env
     env.close()
 
@@ -165,7 +166,7 @@ async def test_docker_container_behaves_like_agentbenchs(env: OSEnv, tmp_path: P
 
     def make_env(action_timeout_s: float) -> OSEnv:
         return OSEnv(EnvConfig(task="os", num_train_tasks=0, num_test_tasks=0, action_timeout_s=action_timeout_s,
-                               os=OSTaskConfig(backend="docker", docker_prefix=PREFIX,
-                                               agentbench_test=[str(tmp_path / "box.json")])))
+                               sections={"os": OSTaskConfig(backend="docker", docker_prefix=PREFIX,
+                                               agentbench_test=[str(tmp_path / "box.json")])}))
 
     await assert_behaves_like_agentbenchs_container(make_env, sandbox_nofile(Limits()))

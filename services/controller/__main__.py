@@ -23,6 +23,9 @@ from shared.subjects import Subjects
 
 async def main(argv: list[str]) -> None:
     cfg, _ = from_argv(argv)
+    if not any(share > 0 for share in cfg.controller.tasks.values()):
+        raise SystemExit("controller: no task to run: set controller.tasks (task -> share), e.g. "
+                         "--controller.tasks='{\"TASK\": 1}'")
     replica_id = replica_name("controller")
     log = setup_logging("controller", replica_id, cfg.run.log_level, cfg.run.log_format)
     subjects = Subjects(cfg.nats.prefix)

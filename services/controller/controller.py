@@ -11,7 +11,7 @@
   naming the newest policy version (a rollout loads it before the first turn); the next batch waits for
   the trainer's step on this one. Staleness 0, and no overlap of generation and training.
 * Lanes (``controller.task_max_inflight``): a task with its bound of episodes in flight is skipped, so a
-  slow or stuck task (os, alfworld) cannot hold every in-flight slot while a fast one waits; with
+  slow or stuck task (a sandbox per episode, a game engine) cannot hold every in-flight slot while a fast one waits; with
   ``lane_lead`` the others run at most that many groups ahead of their share, which keeps the mix.
 * Lifecycle: an episode is *published*, then *finished* when its trajectory lands in TRAJ (each
   episode id counted once, whatever the redeliveries).
@@ -145,8 +145,8 @@ class Controller:
     # ------------------------------------------------------------------ plan and publish
     async def fetch_task_ids(self, timeout_s: float = 120.0, split: str = "train",
                              train_limit: bool = True) -> dict[str, list[str]]:
-        """Ask each task's env service for its task ids of a split (waits for env replicas to come up: alfworld's
-        takes longer than a request's timeout); for training, the first ``controller.train_limit`` of them."""
+        """Ask each task's env service for its task ids of a split (waits for env replicas to come up: a task whose
+        engines load slowly takes longer than a request's timeout); for training, the first ``controller.train_limit`` of them."""
         out: dict[str, list[str]] = {}
         deadline = time.monotonic() + timeout_s
         for task, share in self.cfg.controller.tasks.items():
@@ -189,7 +189,7 @@ class Controller:
             await asyncio.sleep(every_s)
 
     def env_building(self, task: str) -> str:
-        """``building, kg questions 43 %`` while a live replica of ``task``'s env builds its data, else ''."""
+        """``building, questions 43 %`` while a live replica of ``task``'s env builds its data, else ''."""
         ttl = self.cfg.controller.heartbeat_ttl_s
         for r in self.replicas:
             if r["role"] == f"env-{task}" and r["age_s"] < ttl and is_building(r["info"]):

@@ -10,7 +10,7 @@ Figures for one pass (greedy, or ``k`` samples per task at a temperature):
 * ``well_formed_rate``: share of turns whose tool call the env accepted (1 - invalid actions / turns);
 * ``per_task_success``: each task id's mean success (a benchmark pairs two reports on these);
 * ``mean_reward``, ``mean_turns``, ``statuses``, and the same success (with its interval) / well-formed
-  figures ``by_level`` and ``by_kind`` (as the env reports them for each task; BFCL's categories are kinds).
+  figures ``by_level`` and ``by_kind`` (as the env reports them for each task: a benchmark's categories are kinds).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """What the controller believes about the other services comes from where it arrived, never from what a
 message says about itself: a metrics report's role is the last token of its subject (``metrics.<role>``,
 which only that role's users may publish: shared/auth.py), a replica's role and id are its registry key
-(``<role>.<replica_id>``, writable by that role alone; an ``env-db`` heartbeat is an ``env``'s), and a heartbeat's age is counted from when it
+(``<role>.<replica_id>``, writable by that role alone; an ``env-<task>`` heartbeat is an ``env``'s), and a heartbeat's age is counted from when it
 arrived. A message whose body names another source is refused and counted.
 """
 

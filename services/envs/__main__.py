@@ -1,44 +1,39 @@
-"""Env service entry point: ``python -m services.envs <task> [--config FILE] [--env.key=value ...]``."""
+"""Env service entry point: ``python -m services.envs <task> [--config FILE] [--env.key=value ...]``.
+
+The task's make_env comes from the task registry (shared/tasks.py): ``--env.factory``, ``[env.<task>] factory``
+or the task's ``jetrl.envs`` entry point; it is imported only here, so one task's optional dependencies never
+break another's replica."""
 
 from __future__ import annotations
 
 import asyncio
-import importlib
 import sys
 from contextlib import AsyncExitStack
 
 from services.envs.host import EnvHost
 from shared.bus import connect, declare_topology, heartbeat_loop, replica_name
-from shared.config import from_argv
+from shared.config import ConfigError, from_argv
 from shared.lifecycle import close_connection, exit_code, install_stop, run, stop_if_connection_closed, supervise
 from shared.log import setup_logging
 from shared.readiness import build_announced
 from shared.subjects import Subjects, check_token
-
-# task -> module exposing make_env(cfg: EnvConfig) -> TaskEnv; imported only when served, so one
-# task's optional dependencies never break another's replica.
-TASK_MODULES = {
-    "db": "services.envs.db",
-    "os": "services.envs.os_task",
-    "kg": "services.envs.kg",
-    "alfworld": "services.envs.alfworld_env",  # not "alfworld": that is the PyPI engine package
-    "webshop": "services.envs.webshop",
-    "bfcl": "services.envs.bfcl",  # evaluation only (jetrl eval --suite bfcl): PyPI bfcl-eval
-}
+from shared.tasks import find_task, load_factory
 
 
 async def main(argv: list[str]) -> None:
     cfg, (task,) = from_argv(argv, positional=1)
-    if task not in TASK_MODULES:
-        raise SystemExit(f"unknown task {task!r}; known: {', '.join(TASK_MODULES)}")
     cfg.env.task = check_token(task, "task")
+    try:
+        make_env = load_factory(find_task(task, cfg.env))
+        cfg.env.section(task)  # its settings, checked before anything starts
+    except ConfigError as exc:
+        raise SystemExit(f"python -m services.envs {task}: {exc}") from None
     replica_id = replica_name(f"env-{task}")
     log = setup_logging(f"env-{task}", replica_id, cfg.run.log_level, cfg.run.log_format)
     subjects = Subjects(cfg.nats.prefix)
     stop = asyncio.Event()
     install_stop(stop, grace_s=8.0)  # gone within 10 s of SIGTERM, NATS or not
 
-    make_env = importlib.import_module(TASK_MODULES[task]).make_env
     async with AsyncExitStack() as stack:
         nc = await connect(cfg.nats, replica_id, role="env")
         stack.push_async_callback(close_connection, nc)
@@ -52,6 +47,7 @@ async def main(argv: list[str]) -> None:
                           restart_s=1.0)
         stack.callback(beats.cancel)
         env = await build_announced(info, lambda: make_env(cfg.env))
+        env.name = task  # the host serves the subjects of the task it was started for
         host = EnvHost(env, cfg.env, subjects, replica_id)
         service = await host.serve(nc, js)
         stack.push_async_callback(host.shutdown)

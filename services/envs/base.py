@@ -1,7 +1,9 @@
 """What a task environment implements. The host (``host.py``) turns any of these into a NATS micro
 service speaking the unified function-call API; a task module only knows its own world.
 
-A task module (``services/envs/<task>.py`` or a package) exposes ``make_env(cfg: EnvConfig) -> TaskEnv``.
+A task module (a package under ``services/envs/`` or a plugin's) exposes ``make_env(cfg: EnvConfig) -> TaskEnv``,
+found by the task registry (shared/tasks.py: a ``jetrl.envs`` entry point or ``[env.<task>] factory``), and
+may declare its ``[env.<task>]`` settings as a dataclass ``Config`` beside it (read as ``cfg.section(task)``).
 
 * ``TaskEnv`` owns the task set (train/test splits, deterministic by seed) and opens episodes.
 * ``Episode`` is one session: its opening messages, its tools (OpenAI function schemas), and
@@ -29,7 +31,7 @@ class ToolResult:
     status: str = "running"
     metrics: dict[str, float] = field(default_factory=dict)
     role: str = "tool"
-    """``user`` for what is not a tool's answer: the next user turn of a multi-turn conversation (BFCL)."""
+    """``user`` for what is not a tool's answer: the next user turn of a multi-turn conversation."""
 
 
 @dataclass
@@ -48,11 +50,11 @@ class Episode(ABC):
     max_turns: int = 15
     calls_per_message: CallsPerMessage = "one"
     """What the host runs of an assistant message with several tool calls, AgentBench's rule for the task:
-    ``all`` of them in order, until one ends the episode, each call's result returned (its DB and KG tasks);
-    the ``first`` only, the others dropped unanswered (its OS, ALFWorld and WebShop tasks); or (``one``, for
+    ``all`` of them in order, until one ends the episode, each call's result returned (its SQL and knowledge-graph
+    tasks); the ``first`` only, the others dropped unanswered (its shell, household and shopping tasks); or (``one``, for
     tasks AgentBench has no rule for) none, with an error saying so. A message is one turn whatever the rule."""
     takes_whole_message: bool = False
-    """True: the host hands each assistant message as it is to ``respond`` (every tool call of it: BFCL grades
+    """True: the host hands each assistant message as it is to ``respond`` (every tool call of it: a task that grades
     parallel calls) instead of checking and running its first call with ``call`` / ``reply``."""
 
     @property
@@ -74,7 +76,7 @@ class Episode(ABC):
         return None
 
     def reply(self, content: str) -> ToolResult:
-        """An assistant turn with no tool call. Most tasks refuse it; AgentBench's KG task takes its
+        """An assistant turn with no tool call. Most tasks refuse it; AgentBench's knowledge-graph task takes its
         final answer this way ("Final Answer: #3"). Raise ToolError for a bad turn, as ``call`` does."""
         raise ToolError("No tool call found. Reply with exactly one tool call, using one of the listed tools.")
 

@@ -84,7 +84,7 @@ class WorkerPool:
     with no trip through the event loop between two calls. A call still running ``spill_after_s`` after
     it started (a slow query, a command in a sandbox) no longer counts as a lane: another thread takes
     up the queue while it goes on, and its thread leaves once it ends (or takes a lane back if one is
-    free). Quick calls are the common case (a db episode's calls take 0.1-1.5 ms) and mostly hold the
+    free). Quick calls are the common case (a SQL episode's calls take 0.1-1.5 ms) and mostly hold the
     GIL: threads running them beside each other take turns on it at every SQLite step, and with 32 such
     threads a replica did half the work per CPU second that one thread did (docs/benchmarks/env_host.md).
 
@@ -367,7 +367,7 @@ class EnvHost:
 
     def _truncate(self, content: str) -> str:
         """Every observation, error text included (it may echo a huge argument), within the limit
-        (the task's own where its section overrides env.max_observation_chars: webshop, alfworld)."""
+        (the task's own where its section overrides env.max_observation_chars)."""
         limit = self.cfg.task_value(self.task, "max_observation_chars")
         if len(content) <= limit:
             return content
@@ -377,12 +377,12 @@ class EnvHost:
         """The calls of one assistant message that the episode's rule runs, in order, each with its result;
         the first that ends the episode is the last to run."""
         episode = session.episode
-        if episode.takes_whole_message:  # the episode reads every call itself (BFCL)
+        if episode.takes_whole_message:  # the episode reads every call itself (parallel calls, graded together)
             if malformed(message):  # still the episode's to grade; counted for the well-formed rate
                 session.invalid_actions += 1
             return [(first_call_id(message), await self._run(session, functools.partial(episode.respond, message)))]
         if not (message.get("tool_calls") or message.get("invalid_tool_call")):
-            # a text-only turn: most tasks refuse it, KG reads its "Final Answer: #3" from it
+            # a text-only turn: most tasks refuse it, some read a final answer ("Final Answer: #3") from it
             content = str(message.get("content") or "")
             return [(DEFAULT_CALL_ID, await self._run(session, functools.partial(episode.reply, content)))]
         try:
@@ -434,7 +434,7 @@ class EnvHost:
         session = self._session(req.session_id)
         call = await self.pool.run(functools.partial(self.env.oracle, session.episode))
         message: dict[str, Any] = {"role": "assistant", "content": call.content}
-        if call.name:  # an empty name is a text-only turn (KG's "Final Answer: #3")
+        if call.name:  # an empty name is a text-only turn (a final answer such as "Final Answer: #3")
             message["tool_calls"] = [{"id": f"call_{session.turns}", "type": "function",
                                       "function": {"name": call.name, "arguments": json.dumps(call.arguments)}}]
         return encode(EnvInteract(session_id=req.session_id, message=message))

@@ -2,7 +2,7 @@
 trajectory, then ack the job. Weight announcements swap the engine's weights between turns.
 
 Lanes (``rollout.task_concurrency``): each task pulls from its own consumer into its own slots, so a
-slow task (os, alfworld) cannot take every slot from a fast one; without it, one consumer feeds
+slow task (a sandbox, a game engine) cannot take every slot from a fast one; without it, one consumer feeds
 ``concurrency`` slots with every task. Synchronous mode: a job naming a policy version waits for this
 replica to load it before its first turn.
 

@@ -163,7 +163,7 @@ function showState(state) {
   problem.textContent = kind === "bad" ? (state.startsWith("failed") ? "The run failed: " + state.slice(8) : state) : "";
 }
 
-// an env replica still building its task data says how far it is ("building, kg questions 43 %")
+// an env replica still building its task data says how far it is ("building, questions 43 %")
 function replicaNote(r) {
   const info = r.info || {};
   if (info.state === "building") {

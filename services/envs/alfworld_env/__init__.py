@@ -29,6 +29,7 @@ from typing import Any
 import structlog
 
 from services.envs.alfworld_env import gen
+from services.envs.alfworld_env.config import AlfworldTaskConfig
 from services.envs.alfworld_env.engine import Step
 from services.envs.alfworld_env.pool import EngineDied, EnginePool, EngineProc
 from services.envs.base import Episode, TaskEnv, TaskLevel, ToolCall, ToolError, ToolResult
@@ -251,6 +252,10 @@ def agentbench_task_ids(train_valid: Path) -> dict[str, list[str]]:
             seen[name] = k + 1
             out.setdefault(key, []).append(f"{name}/trial_{k}")
     return out
+
+
+Config = AlfworldTaskConfig
+"""[env.alfworld]: the settings the task registry (shared/tasks.py) reads and checks."""
 
 
 def make_env(cfg: EnvConfig) -> AlfworldEnv:

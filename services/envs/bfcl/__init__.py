@@ -45,6 +45,7 @@ from typing import Any
 import structlog
 
 from services.envs.base import Episode, TaskEnv, TaskLevel, ToolCall, ToolResult
+from services.envs.bfcl.config import BFCLTaskConfig
 from shared.config import EnvConfig
 from shared.messages import EpisodeStatus
 
@@ -298,8 +299,12 @@ class BFCLEnv(TaskEnv):
         return SingleTurnEpisode(self, entry)
 
 
+Config = BFCLTaskConfig
+"""[env.bfcl]: the settings the task registry (shared/tasks.py) reads and checks."""
+
+
 def make_env(cfg: EnvConfig) -> BFCLEnv:
     return BFCLEnv(cfg)
 
 
-__all__ = ["BFCLEnv", "CATEGORIES", "MultiTurnEpisode", "SingleTurnEpisode", "make_env"]
+__all__ = ["Config", "BFCLEnv", "CATEGORIES", "MultiTurnEpisode", "SingleTurnEpisode", "make_env"]

@@ -28,6 +28,7 @@ from typing import Any
 import structlog
 
 from services.envs.base import Episode, TaskEnv, TaskLevel, ToolCall, ToolError, ToolResult
+from services.envs.kg.config import KGTaskConfig
 from services.envs.kg.engine import KB, Variable
 from services.envs.kg.graph import Graph, open_graph
 from services.envs.kg.questions import GENERATOR_VERSION, generate, gold, load_agentbench, s_expression
@@ -426,8 +427,12 @@ class KGEnv(TaskEnv):
         return episode.oracle_call()
 
 
+Config = KGTaskConfig
+"""[env.kg]: the settings the task registry (shared/tasks.py) reads and checks."""
+
+
 def make_env(cfg: EnvConfig) -> KGEnv:
     return KGEnv(cfg)
 
 
-__all__ = ["KGEnv", "KGEpisode", "TOOLS", "f1", "make_env", "play", "random_call"]
+__all__ = ["Config", "KGEnv", "KGEpisode", "TOOLS", "f1", "make_env", "play", "random_call"]

@@ -22,6 +22,7 @@ from typing import Any
 import structlog
 
 from services.envs.base import Episode, TaskEnv, TaskLevel, ToolCall, ToolError, ToolResult
+from services.envs.os_task.config import OSTaskConfig
 from services.envs.os_task.docker_sandbox import DockerSandbox
 from services.envs.os_task.sandbox import BwrapSandbox, Cgroup, Limits, Sandbox, ensure_rootfs
 from services.envs.os_task.tasks import (
@@ -355,6 +356,10 @@ def sweep_stale(runs: Path) -> None:
     for d in runs.iterdir() if runs.is_dir() else []:
         if d.name.isdigit() and not Path(f"/proc/{d.name}").exists():
             shutil.rmtree(d, ignore_errors=True)
+
+
+Config = OSTaskConfig
+"""[env.os]: the settings the task registry (shared/tasks.py) reads and checks."""
 
 
 def make_env(cfg: EnvConfig) -> TaskEnv:

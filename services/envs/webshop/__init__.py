@@ -21,6 +21,7 @@ import structlog
 
 from services.envs.base import Episode, TaskEnv, TaskLevel, ToolCall, ToolError, ToolResult
 from services.envs.webshop.catalog import Catalog, open_catalog
+from services.envs.webshop.config import WebShopTaskConfig
 from services.envs.webshop.goals import DIFFICULTIES, make_goal
 from services.envs.webshop.shop import ShopEpisode, oracle_call
 from shared.config import EnvConfig
@@ -86,6 +87,10 @@ class WebShopEnv(TaskEnv):
 
     def close(self) -> None:
         self.catalog.close()
+
+
+Config = WebShopTaskConfig
+"""[env.webshop]: the settings the task registry (shared/tasks.py) reads and checks."""
 
 
 def make_env(cfg: EnvConfig) -> WebShopEnv:
