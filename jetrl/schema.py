@@ -189,7 +189,9 @@ def run(args: argparse.Namespace) -> int:
             print(f"jetrl schema: out of date: {name}")
         if stale:
             print("jetrl schema: run `jetrl schema` and commit the result")
-        return 1 if stale else 0
+            return 1
+        print(f"jetrl schema: {len(MESSAGES)} message schemas and the field tables of {spec.name} are up to date")
+        return 0
     schema_dir.mkdir(parents=True, exist_ok=True)
     for path, text in expected_files(schema_dir, spec).items():
         path.write_text(text)

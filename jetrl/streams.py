@@ -10,7 +10,8 @@
 ``auth_dir`` whose ``observer.password`` is read): the client connects as the read-only observer
 (``shared/auth.py``), whose replies arrive under the observer's own inbox prefix (``shared.auth`` names
 it; ``shared.bus.connect`` sets it). ``open_run(run_dir)`` gives both for a run directory, and starts a
-nats-server on the run's own store when the run is over.
+nats-server on the run's own store when the run is over; ``from_context(file)`` reads them from the file
+``jetrl creds observer`` writes.
 
 The stream is read through an ephemeral pull consumer (no acks, removed by the server a minute after
 the client goes away), ``batch`` messages at a time: memory stays bounded however long the stream.
@@ -25,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime as dt
+import json
 import socket
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
@@ -151,11 +153,17 @@ class TrajectoryStream:
         if not self.follow:
             self._end = int((await js.stream_info(self.subjects.traj_stream)).state.last_seq)
         sub = None
+        reconnects = delivered = 0  # the connection's reconnects when the consumer was made; its last delivery
         try:
             while True:
                 try:
+                    if sub is not None and self.nc.stats["reconnects"] != reconnects:
+                        # a reconnect may have lost deliveries in flight (no acks: the consumer counts them as
+                        # done): a new consumer from the message after the last one we yielded
+                        raise ConnectionError("reconnected")
                     if sub is None:
                         config = self._consumer_config()  # nats-py files a single filter under the subject
+                        reconnects, delivered = self.nc.stats["reconnects"], 0
                         sub = await js.pull_subscribe(config.filter_subject or "", stream=self.subjects.traj_stream,
                                                       config=config)
                     try:
@@ -164,6 +172,9 @@ class TrajectoryStream:
                         if not self.follow and await self._caught_up(sub):
                             return
                         continue
+                    if msgs and msgs[0].metadata.sequence.consumer != delivered + 1:
+                        raise ConnectionError(f"deliveries {delivered + 1}..{msgs[0].metadata.sequence.consumer - 1} "
+                                              "were lost")
                 except asyncio.CancelledError:
                     raise
                 except Exception as exc:  # the connection or the consumer went away: a new one from where we are
@@ -174,6 +185,7 @@ class TrajectoryStream:
                     continue
                 for msg in msgs:
                     meta = msg.metadata
+                    delivered = meta.sequence.consumer
                     self.position = StreamPosition(meta.sequence.stream, meta.timestamp.timestamp())
                     self.pending = meta.num_pending
                     try:
@@ -239,6 +251,17 @@ def _listening(url: str, timeout_s: float = 1.0) -> bool:
     return False
 
 
+def from_context(path: str | Path) -> RunAccess:
+    """The access a context file of ``jetrl creds observer`` gives (its URL, user, password and the run's
+    prefix); the inbox prefix follows from the user (``shared.auth``)."""
+    try:
+        ctx = json.loads(Path(path).read_text())
+        return RunAccess(ctx["url"], NatsConfig(prefix=ctx["jetrl_prefix"], user=ctx.get("user") or "",
+                                                password=ctx.get("password") or ""))
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise CliError(f"{path}: not a context file of `jetrl creds observer` ({exc})") from None
+
+
 @contextlib.contextmanager
 def open_run(run_dir: str | Path, overrides: Sequence[str] = ()) -> Iterator[RunAccess]:
     """A run directory's streams: the live run's nats-server, or, when the run is over, a nats-server of
@@ -248,16 +271,16 @@ def open_run(run_dir: str | Path, overrides: Sequence[str] = ()) -> Iterator[Run
     if not url_file.is_file() or not config_file.is_file():
         raise CliError(f"{run_dir} is not a run directory (no nats.url or config.toml): give --run-dir "
                                 "of a jetrl up / sft / eval run, or --url and --prefix")
-    url, prefix = url_file.read_text().split()[:2]
     cfg = load_config(config_file, list(overrides))
-    cfg.nats.prefix = prefix
+    url, *rest = url_file.read_text().split()
+    cfg.nats.prefix = rest[0] if rest else cfg.nats.prefix
     store = run_dir / "nats"
     if _listening(url) or not (store / "jetstream").is_dir():
         yield RunAccess(url, cfg.nats)
         return
     authorization = ""
     if cfg.nats.auth_dir:  # the run's users, read back from their password files
-        authorization = server_authorization(Subjects(prefix), generate_passwords(cfg.nats.auth_dir))
+        authorization = server_authorization(Subjects(cfg.nats.prefix), generate_passwords(cfg.nats.auth_dir))
     server = EmbeddedNats(store, authorization=authorization, log_file=store / "nats-server.reopened.log")
     local = server.start()
     try:

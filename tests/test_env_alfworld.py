@@ -20,14 +20,15 @@ import pytest
 
 pytest.importorskip("alfworld", reason="the alfworld extra is not installed (pip install -e '.[alfworld]')")
 
-from services.envs.alfworld_env import AlfworldEnv, agentbench_task_ids, gen, make_env, snap  # noqa: E402
-from services.envs.alfworld_env.config import AlfworldTaskConfig
+from services.envs.alfworld_env import AlfworldEnv, agentbench_task_ids, engine, gen, make_env, snap  # noqa: E402
+from services.envs.alfworld_env.config import AlfworldTaskConfig  # noqa: E402
 from services.envs.alfworld_env.pool import EngineDied  # noqa: E402
 from services.envs.base import ToolCall, ToolError  # noqa: E402
 from services.envs.host import EnvHost  # noqa: E402
 from shared.config import EnvConfig  # noqa: E402
 from shared.envapi import EnvClient  # noqa: E402
 from tests.host_turns import HostSession, assistant_calls  # noqa: E402
+from tests.procs import env_check  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -354,7 +355,7 @@ def test_no_generated_games_on_a_fresh_data_dir(tmp_path: Path) -> None:
     """num_train_tasks = num_test_tasks = 0 (real game files only, or none yet) on a data_dir never used:
     empty splits, no error."""
     env = make_env(EnvConfig(task="alfworld", data_dir=str(tmp_path / "fresh"), num_train_tasks=0,
-                             num_test_tasks=0, alfworld=AlfworldTaskConfig(pool_size=1, prefetch=0)))
+                             num_test_tasks=0, sections={"alfworld": AlfworldTaskConfig(pool_size=1, prefetch=0)}))
     try:
         assert env.task_ids("train") == env.task_ids("test") == []
     finally:
@@ -374,3 +375,23 @@ async def test_several_calls_in_one_message_run_the_first_as_agentbench(env: Alf
         assert "not carrying" not in step.messages[0]["content"] and step.metrics["turns"] == 1.0  # no inventory
     finally:
         await session.close()
+
+
+def test_expert_finds_the_lamp_and_a_mug_within_agentbenchs_rounds(env: AlfworldEnv) -> None:
+    """The handcoded expert looks for a lamp where rooms keep one, and for a mug or a bowl (receptacle classes
+    too) where such objects go: it wins these look_at games of AgentBench's test tuples within 20 rounds
+    (searching every receptacle from the end of the room's list, it would need 25 and 24)."""
+    for task_id in ("look_at_obj_in_light-CD-None-DeskLamp-308/trial_0",
+                    "look_at_obj_in_light-Mug-None-DeskLamp-308/trial_0"):
+        won, actions = engine.play_expert(str(gen.write_game(env.root, task_id)), task_id, 20)
+        assert won and len(actions) <= 20, (task_id, actions)
+        assert "use desklamp 1" in actions[-1]
+
+
+def test_env_check_passes() -> None:
+    """`jetrl env-check alfworld`: one game per split, the planner oracle (it always wins; the handcoded
+    expert may not, within max_rounds), one engine process."""
+    out = env_check("alfworld", "--episodes=1", "--env.num_train_tasks=1", "--env.num_test_tasks=1",
+                    "--env.alfworld.pool_size=1", "--env.alfworld.prefetch=0", "--env.alfworld.oracle=planner",
+                    timeout_s=600)
+    assert "oracle test                  1/1 solved" in out and "env-check alfworld: 11 passed" in out

@@ -17,6 +17,7 @@ pytest.importorskip("bfcl_eval", reason="bfcl-eval is installed by `make venv` (
 
 from services.envs.bfcl import BFCLEnv, MultiTurnEpisode  # noqa: E402
 from shared.config import JetRLConfig  # noqa: E402
+from tests.procs import env_check  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -135,3 +136,9 @@ def test_unreadable_calls_count_against_the_well_formed_rate() -> None:
     assert malformed(reply({"id": "c", "type": "function", "function": {"name": "f", "arguments": "{oops"}}))
     assert malformed(reply({"id": "c", "type": "function", "function": {"name": "f", "arguments": "[1]"}}))
     assert not malformed(reply(call("f", {"x": 1}))) and not malformed(reply(content="no call"))
+
+
+def test_env_check_passes() -> None:
+    """`jetrl env-check bfcl`: an eval-only task (a test split, no oracle): bad calls are graded, the episode ends."""
+    out = env_check("bfcl", "--env.bfcl.per_category=1")
+    assert "--    oracle test" in out and "ended: status completed" in out and "env-check bfcl: 9 passed" in out

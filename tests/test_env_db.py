@@ -20,6 +20,7 @@ from services.envs.host import EnvHost
 from shared.config import EnvConfig, JetRLConfig
 from shared.envapi import EnvClient
 from tests.host_turns import HostSession, assistant_calls
+from tests.procs import env_check
 
 
 def sql(query: str) -> ToolCall:
@@ -229,6 +230,63 @@ def test_sqlite_reads_statements_as_mysql_does() -> None:
         db.close()
 
 
+# ------------------------------------------------------------------------------- strict MySQL
+# statements SQLite runs and MySQL refuses (each also refused by MariaDB in test_env_db_mariadb.py), and
+# statements both run that look alike (quoted reserved words, keywords, function calls, columns in any case)
+STRICT_TABLE = Table("Scores", [("Name", "TEXT"), ("Change", "TEXT"), ("Key", "TEXT")], [["ann", "1", "2"]])
+STRICT_REFUSED = [
+    ("SELECT Name FROM [Scores]", "You have an error in your SQL syntax"),
+    ("SELECT [Name] FROM `Scores`", "You have an error in your SQL syntax"),
+    ("SELECT Name, Change FROM Scores", "You have an error in your SQL syntax"),
+    ("SELECT Name FROM Scores WHERE Key = '2'", "You have an error in your SQL syntax"),
+    ("SELECT Name FROM scores", "Table 'db.scores' doesn't exist"),
+    ("UPDATE SCORES SET Name = 'bo'", "Table 'db.SCORES' doesn't exist"),
+]
+STRICT_ACCEPTED = [
+    ("SELECT `Key`, `Change` FROM Scores ORDER BY `Change` DESC", [("2", "1")]),
+    ("SELECT NAME, name FROM `Scores` WHERE `key` = '2' GROUP BY Name", [("ann", "ann")]),
+    ("SELECT COUNT(*) FROM Scores AS s WHERE s.Name IN (SELECT Name FROM Scores) AND NOT s.Name = 'x'", [(1,)]),
+    ("SELECT REPLACE(Name, 'a', 'A') FROM Scores", [("Ann",)]),
+]
+
+
+def test_strict_mysql_refuses_on_sqlite_what_mysql_refuses() -> None:
+    """env.db.mysql_strict: T-SQL brackets, an unquoted reserved word where a name goes and a table name in the
+    wrong case are MySQL's errors on SQLite too; the same statements written as MySQL takes them run."""
+    strict, lenient = SQLiteDB([STRICT_TABLE], Limits(), mysql_strict=True), SQLiteDB([STRICT_TABLE], Limits())
+    try:
+        for stmt, error in STRICT_REFUSED:
+            assert error in strict.execute(stmt).text, stmt
+            assert lenient.execute(stmt).error is None, stmt
+        for stmt, rows in STRICT_ACCEPTED:
+            assert strict.execute(stmt).rows == rows, (stmt, strict.execute(stmt).text)
+    finally:
+        strict.close()
+        lenient.close()
+
+
+def test_strict_mysql_is_on_when_training_for_agentbench(tmp_path: Path) -> None:
+    """auto (the default) is on when AgentBench's data is served (env.db.agentbench_file), off otherwise; on and
+    off force it; anything else is refused."""
+    (tmp_path / "ab.jsonl").write_text(json.dumps({
+        "description": "How many scores?", "label": ["1"], "type": ["SELECT"], "add_description": "",
+        "table": {"table_name": "Scores", "table_info": {"columns": [{"name": "Name", "type": "TEXT"}],
+                                                          "rows": [["ann"]]}}}) + "\n")
+    ab = str(tmp_path / "ab.jsonl")
+    for db_cfg, on in ((DBTaskConfig(), False), (DBTaskConfig(agentbench_file=ab), True),
+                       (DBTaskConfig(agentbench_file=ab, mysql_strict="off"), False),
+                       (DBTaskConfig(mysql_strict="on"), True)):
+        env = make_env(EnvConfig(num_train_tasks=0, num_test_tasks=0, sections={"db": db_cfg}))
+        assert env.mysql_strict is on, db_cfg
+        if db_cfg.agentbench_file:
+            episode = env.open(env.task_ids("dev")[0], "dev", 0)
+            text = episode.call(sql("SELECT COUNT(*) FROM scores")).content
+            assert ("doesn't exist" in text) is on, text
+            episode.close()
+    with pytest.raises(ValueError, match="mysql_strict must be auto, on or off"):
+        make_env(EnvConfig(sections={"db": DBTaskConfig(mysql_strict="yes")}))
+
+
 # ------------------------------------------------------------------------------- safety limits
 def test_sqlite_limits_confine_and_bound_the_agent() -> None:
     big = Table("big", [("n", "INTEGER"), ("pad", "TEXT")], [[i, "x" * 50] for i in range(3000)])
@@ -354,3 +412,9 @@ async def test_several_calls_in_one_message_all_run_in_order_as_agentbench(env) 
         assert step.finish and step.status == "completed" and [m["tool_call_id"] for m in step.messages] == ["c0"]
     finally:
         await session.close()
+
+
+def test_env_check_passes() -> None:
+    """`jetrl env-check db`: the env contract over a real nats-server (jetrl/envcheck.py)."""
+    out = env_check("db", "--env.num_train_tasks=6", "--env.num_test_tasks=3")
+    assert "2/2 solved" in out and "bad call: unknown tool" in out and "env-check db: 11 passed" in out

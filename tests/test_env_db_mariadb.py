@@ -239,6 +239,20 @@ def test_mysql_dialect_probes_give_mariadbs_rows_on_sqlite(server) -> None:
         lite.close()
 
 
+def test_strict_mysql_refuses_what_mariadb_refuses(server) -> None:
+    """The statements env.db.mysql_strict refuses on SQLite are refused by MariaDB, the accepted ones give its rows."""
+    from tests.test_env_db import STRICT_ACCEPTED, STRICT_REFUSED, STRICT_TABLE
+
+    db = server.create([STRICT_TABLE])
+    try:
+        for stmt, _ in STRICT_REFUSED:
+            assert db.execute(stmt).error is not None, stmt
+        for stmt, rows in STRICT_ACCEPTED:
+            assert db.execute(stmt).rows == rows, stmt
+    finally:
+        db.close()
+
+
 def test_agentbench_dev_statements_agree_on_both_backends(server, agentbench: Path) -> None:
     """Every SQL statement of AgentBench's dev file (its sql.query, the gold SQL of INSERT/UPDATE tasks)
     gives the same result text, or the same table hash, on SQLite as on MariaDB."""

@@ -35,6 +35,7 @@ from services.envs.kg.questions import (
 from shared.config import EnvConfig
 from shared.envapi import EnvClient
 from tests.host_turns import HostSession, assistant_calls
+from tests.procs import env_check
 
 
 @pytest.fixture(scope="module")
@@ -494,3 +495,9 @@ async def test_several_calls_in_one_message_all_run_in_order_as_agentbench(env: 
         assert step.metrics["turns"] == 1.0
     finally:
         await session.close()
+
+
+def test_env_check_passes() -> None:
+    """`jetrl env-check kg` on the generated graph (built once and cached, as the tests above use it)."""
+    out = env_check("kg", "--env.num_train_tasks=6", "--env.num_test_tasks=3", timeout_s=600)
+    assert "oracle test" in out and "env-check kg: 11 passed" in out

@@ -34,6 +34,7 @@ from services.envs.os_task.tasks import (
 )
 from shared.config import EnvConfig
 from shared.envapi import EnvClient, EnvError
+from tests.procs import env_check
 from tests.sandbox_checks import BEHAVIOUR_TASKS, assert_behaves_like_agentbenchs_container, assert_limits_hold
 
 ALL_COMMANDS = ("bwrap", "mmdebstrap", "unshare", "mount")
@@ -481,3 +482,10 @@ def _can_raise_nofile() -> bool:
     from services.envs.os_task.sandbox import CAP_SYS_RESOURCE, has_cap
 
     return has_cap(CAP_SYS_RESOURCE)
+
+
+def test_env_check_passes(env: OSEnv) -> None:
+    """`jetrl env-check os`, a bwrap sandbox per session (the fixture skips where there is none, and builds
+    the rootfs once)."""
+    out = env_check("os", "--episodes=1", "--env.num_train_tasks=6", "--env.num_test_tasks=3")
+    assert "1/1 solved" in out and "env-check os: 11 passed" in out

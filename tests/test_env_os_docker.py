@@ -167,6 +167,6 @@ async def test_docker_container_behaves_like_agentbenchs(env: OSEnv, tmp_path: P
     def make_env(action_timeout_s: float) -> OSEnv:
         return OSEnv(EnvConfig(task="os", num_train_tasks=0, num_test_tasks=0, action_timeout_s=action_timeout_s,
                                sections={"os": OSTaskConfig(backend="docker", docker_prefix=PREFIX,
-                                               agentbench_test=[str(tmp_path / "box.json")])}))
+                                                            agentbench_test=[str(tmp_path / "box.json")])}))
 
     await assert_behaves_like_agentbenchs_container(make_env, sandbox_nofile(Limits()))

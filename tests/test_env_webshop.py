@@ -22,6 +22,7 @@ from services.envs.webshop.goals import DIFFICULTIES, normalize_color, option_ma
 from services.envs.webshop.shop import ShopEpisode
 from shared.config import EnvConfig
 from shared.envapi import EnvClient, EnvError
+from tests.procs import env_check
 
 # sha256 of the test split (ids, instructions, targets, attributes, options, price bounds). It changes
 # only when the generator or the goal sampler changes: then the split is no longer the frozen one.
@@ -423,3 +424,9 @@ def test_levels_are_goal_difficulties() -> None:
     easy = make_env(cfg)
     assert easy.task_ids("train") and all(easy.task_level(i, "train").kind == "easy" for i in easy.task_ids("train"))
     assert len(easy.task_ids("test")) < len(catalog_env.task_ids("test"))
+
+
+def test_env_check_passes() -> None:
+    """`jetrl env-check webshop` on the cached default catalogue."""
+    out = env_check("webshop", "--env.num_train_tasks=6", "--env.num_test_tasks=3", timeout_s=600)
+    assert "oracle test" in out and "env-check webshop: 11 passed" in out

@@ -3,32 +3,40 @@ written from docs/env-protocol.md alone, beside a real nats-server with one user
 JetRL's own client (shared/envapi.py) as the rollout role: every split's tasks solved by the oracle, bad
 calls answered with error observations, resent turns deduplicated, cancel, the turn limit, the session
 limit, the idle timeout, coded errors and dead letters for bad requests, health, the micro service's
-announcement, the registry heartbeat and a clean SIGTERM. Skips, saying why, without node or npm."""
+announcement, the registry heartbeat, replies that fit the spec's JSON Schemas and a clean SIGTERM.
+Then as a task of a run (``[env.ledger] command``): ``jetrl env-check ledger`` passes, ``jetrl eval`` with
+the oracle engine solves every test task through the Python rollout, and ``jetrl up`` trains two RL steps
+on it, each with its embedded nats-server's per-role users. Skips, saying why, without node or npm."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import jsonschema
 import msgspec
 import pytest
 from nats.aio.client import Client
 
+from jetrl.schema import SCHEMA_DIR
 from shared.auth import generate_passwords, server_authorization
 from shared.bus import connect, declare_topology
-from shared.config import NatsConfig
+from shared.config import JetRLConfig, NatsConfig, load_config, save_config
 from shared.envapi import ERROR_CODE_HEADER, ERROR_HEADER, EnvClient, EnvError
-from shared.messages import DeadLetter, EnvStarted, EnvStep, Heartbeat, decode
+from shared.messages import DeadLetter, EnvOracle, EnvStart, EnvStarted, EnvStep, Heartbeat, Trajectory, decode, encode
 from shared.natsd import EmbeddedNats
 from shared.subjects import Subjects
+from tests.procs import log_tails
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "examples" / "ts-ledger"
@@ -217,6 +225,19 @@ async def test_ledger_env_speaks_the_protocol(auth_server: AuthServer, admin: Cl
             ("ledger-a", "ledger", 64, {"train": 9, "test": 6})
         assert health.sessions == 3 and health.sessions_started == 12 and health.interact_ms_p99 > 0
 
+        # the bytes a TypeScript writer sends fit the spec's JSON Schemas (docs/schemas/, from shared/messages.py)
+        schemas = {kind: json.loads((SCHEMA_DIR / f"{kind}.json").read_text())
+                   for kind in ("env_started", "env_step", "env_interact", "env_health", "heartbeat")}
+        started = await rollout.request(subjects.env_start("ledger"), encode(EnvStart(session_id="raw", task_id=test[2],
+                                                                                      split="test")), timeout=5)
+        move = await rollout.request(subjects.env_oracle("ledger", "ledger-a"), encode(EnvOracle(session_id="raw")),
+                                     timeout=5)
+        step = await rollout.request(subjects.env_interact("ledger", "ledger-a"), move.data, timeout=5)
+        raw_health = await rollout.request(subjects.env_health("ledger"), b"", timeout=5)
+        for kind, data in (("env_started", started.data), ("env_interact", move.data), ("env_step", step.data),
+                           ("env_health", raw_health.data)):
+            jsonschema.validate(msgspec.msgpack.decode(data), schemas[kind])
+
         # what it announces: the micro service (name, version, metadata, endpoints) and its heartbeat
         info = msgspec.json.decode((await admin.request(f"$SRV.INFO.{subjects.env_service_name('ledger')}", b"",
                                                         timeout=5)).data)
@@ -227,7 +248,9 @@ async def test_ledger_env_speaks_the_protocol(auth_server: AuthServer, admin: Cl
             "health": subjects.env_health("ledger"), "interact": subjects.env_interact("ledger", "ledger-a"),
             "cancel": subjects.env_cancel("ledger", "ledger-a"), "oracle": subjects.env_oracle("ledger", "ledger-a")}
         kv = await admin.jetstream().key_value(subjects.registry_kv)
-        beat = decode((await kv.get(Subjects.registry_key("env-ledger", "ledger-a"))).value, Heartbeat)
+        entry = await kv.get(Subjects.registry_key("env-ledger", "ledger-a"))
+        jsonschema.validate(msgspec.msgpack.decode(entry.value), schemas["heartbeat"])
+        beat = decode(entry.value, Heartbeat)
         assert (beat.role, beat.replica_id, beat.pid, beat.info) == ("env-ledger", "ledger-a", replica.pid,
                                                                      {"task": "ledger", "max_sessions": 64})
         assert time.time() - beat.ts < 5
@@ -246,7 +269,7 @@ async def test_ledger_env_speaks_the_protocol(auth_server: AuthServer, admin: Cl
 
 async def test_session_limit_and_idle_timeout(auth_server: AuthServer, rollout: Client, tmp_path: Path) -> None:
     replica = start_replica(auth_server, "ledgerquick", "quick-a", tmp_path / "quick.log", "--max-sessions=2",
-                            "--session-timeout-s=1")
+                            "--session-timeout-s=4")
     try:
         env = EnvClient(rollout, Subjects(PREFIX), "ledgerquick", timeout_s=10.0)
         await wait_for_env(env)
@@ -257,8 +280,8 @@ async def test_session_limit_and_idle_timeout(auth_server: AuthServer, rollout: 
             await env.start("three", task_id)
         assert full.value.code == "503" and "limit of 2 sessions" in full.value.description
         assert (await env.health()).sessions == 2
-        deadline = time.monotonic() + 10
-        while (await env.health()).sessions and time.monotonic() < deadline:  # idle past 1 s: reaped
+        deadline = time.monotonic() + 15
+        while (await env.health()).sessions and time.monotonic() < deadline:  # idle past 4 s: reaped
             await asyncio.sleep(0.25)
         assert (await env.health()).sessions == 0
         with pytest.raises(EnvError) as reaped:
@@ -268,3 +291,92 @@ async def test_session_limit_and_idle_timeout(auth_server: AuthServer, rollout: 
     finally:
         replica.send_signal(signal.SIGTERM)
         replica.wait(timeout=10)
+
+
+# ---------------------------------------------------------------------------- the TypeScript env in a run
+def run_config(tmp_path: Path, mode: str) -> Path:
+    """A small run on the ledger task alone, served by the TypeScript program (``[env.ledger] command``);
+    no nats.url: `jetrl` starts its own server, one user per role."""
+    build_ts_ledger()
+    cfg = JetRLConfig()
+    cfg.run.dir = str(tmp_path / mode)
+    cfg.controller.tasks = {"ledger": 1.0}
+    cfg.controller.group_size = 2
+    cfg.controller.max_inflight = 4
+    cfg.rollout.max_new_tokens = 12
+    cfg.rollout.concurrency = 2
+    cfg.trainer.steps = 2
+    cfg.trainer.min_groups = 1
+    cfg.trainer.lr = 1e-3
+    cfg.trainer.kl_coef = 0.01  # an untrained model's groups all fail: the KL term still makes each step a real one
+    path = tmp_path / f"{mode}.toml"
+    save_config(cfg, path)
+    # the command runs in the config's directory; an absolute path to the program works from anywhere
+    command = json.dumps(["node", str(MAIN), "--num-train-tasks=6", "--num-test-tasks=6"])
+    path.write_text(path.read_text() + f"\n[env.ledger]\ncommand = {command}\n")
+    return path
+
+
+def jetrl(mode: str, config: Path, *flags: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "jetrl.cli", mode, "--config", str(config), "--rollouts", "1", *flags],
+                          cwd=REPO, capture_output=True, text=True, timeout=400)
+
+
+def env_log(run_dir: Path) -> str:
+    return (run_dir / "logs" / "env-ledger-0.log").read_text()
+
+
+@pytest.mark.slow
+def test_env_check_passes_and_jetrl_eval_with_the_oracle_solves_every_test_task_of_the_ts_env(tmp_path: Path) -> None:
+    config = run_config(tmp_path, "eval")
+    check = subprocess.run([sys.executable, "-m", "jetrl.cli", "env-check", "ledger", "--config", str(config)],
+                           cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert check.returncode == 0 and ", 0 failed" in check.stdout, check.stdout + check.stderr
+    proc = jetrl("eval", config, "--engine", "oracle")
+    run_dir = tmp_path / "eval"
+    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}\n{log_tails(run_dir)}"
+    report = json.loads((run_dir / "eval.json").read_text())["greedy"]["ledger"]
+    assert (report["episodes"], report["success"], report["well_formed_rate"]) == (6, 1.0, 1.0)
+    assert set(report["by_level"]) == {"1", "2", "3"} and set(report["by_kind"]) == {"single", "basket", "discount"}
+    log = env_log(run_dir)
+    assert '"event":"env_ready"' in log and '"event":"env_host_stopped"' in log and "Violation" not in log, log
+
+
+@pytest.mark.slow
+def test_jetrl_up_trains_two_rl_steps_on_the_ts_env(tmp_path: Path) -> None:
+    config = run_config(tmp_path, "up")
+    proc = jetrl("up", config)
+    run_dir = tmp_path / "up"
+    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}\n{log_tails(run_dir)}"
+    assert "training finished: 2 steps" in proc.stdout and "ledger: success" in proc.stdout
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(r["train/trajectories"] >= 2 and "task/ledger/success" in r for r in rows)
+    assert (run_dir / "checkpoints" / "step_000002" / "model.safetensors").is_file()
+    trajectories = asyncio.run(stored_trajectories(run_dir))
+    assert len(trajectories) >= 4 and {t.task for t in trajectories} == {"ledger"}
+    for t in trajectories:  # every turn the policy played went through the TypeScript env and came back
+        assert t.turns and t.level in (1, 2, 3) and t.task_kind in ("single", "basket", "discount")
+        assert t.status != "env_error" and t.metrics["invalid_actions"] <= t.metrics["turns"]
+    log = env_log(run_dir)
+    assert '"event":"env_ready"' in log and "Violation" not in log, log
+
+
+async def stored_trajectories(run_dir: Path) -> list[Trajectory]:
+    """The run's TRAJ stream, read back after the run from its JetStream store on a fresh server."""
+    server = EmbeddedNats(run_dir / "nats")
+    url = server.start()
+    try:
+        nc = await connect(NatsConfig(url=url), "pytest-reader")
+        prefix = load_config(str(run_dir / "config.toml")).nats.prefix
+        sub = await nc.jetstream().subscribe(Subjects(prefix).traj(">"), ordered_consumer=True)
+        out: list[Trajectory] = []
+        try:
+            while True:
+                out.append(decode((await sub.next_msg(timeout=2.0)).data, Trajectory))
+        except Exception:  # nats TimeoutError: nothing more
+            pass
+        await nc.close()
+        return out
+    finally:
+        server.stop()

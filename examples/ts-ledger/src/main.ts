@@ -68,7 +68,7 @@ function endpoint(nc: NatsConnection, handle: (data: Uint8Array) => Promise<Uint
       } catch (exc) {
         const [code, reason] = exc instanceof ProtocolError ? [exc.code, exc.reason] : [500, String(exc)];
         if (code === 500) log("env_handler_failed", { subject: msg.subject, error: String(exc) });
-        msg.respondError(code, reason);
+        msg.respondError(code, reason.replace(/[\r\n]+/g, " "));  // a header value is one line
         if (code === 400 || code === 413) {
           log("dead_letter", { origin_subject: msg.subject, reason, size: msg.data.length });
           nc.publish(subjects.deadLetter(), encodeMessage("dead_letter", {

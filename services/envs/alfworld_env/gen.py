@@ -338,7 +338,8 @@ def verify(args: tuple[str, str, int]) -> dict[str, Any]:
     game = json.loads(path.read_text())
     walkthrough = game.get("walkthrough")
     if game.get("solvable") is not None and walkthrough is not None and len(walkthrough) <= max_steps and \
-            (game["solvable"] or len(walkthrough) == max_steps) and "planner_won" in game:  # checked before
+            (game["solvable"] or len(walkthrough) == max_steps) and "planner_won" in game and \
+            game.get("expert_version") == engine.EXPERT_VERSION:  # checked before, by this expert
         return {"task_id": task_id, "won": game["solvable"], "steps": len(walkthrough), "gen_s": gen_s,
                 "planner_won": game["planner_won"], "total_s": time.perf_counter() - t0}
     try:
@@ -349,8 +350,9 @@ def verify(args: tuple[str, str, int]) -> dict[str, Any]:
     except Exception as exc:  # a game the engine cannot load or play is simply not kept
         print(f"alfworld: {task_id} failed in the engine: {exc!r}", flush=True)
         won, actions, planner_won = False, [], False
-    if game.get("solvable") is None or game.get("walkthrough") != actions or game.get("planner_won") != planner_won:
-        game.update(solvable=won, walkthrough=actions, planner_won=planner_won)
+    if game.get("solvable") is None or game.get("walkthrough") != actions or game.get("planner_won") != planner_won \
+            or game.get("expert_version") != engine.EXPERT_VERSION:
+        game.update(solvable=won, walkthrough=actions, planner_won=planner_won, expert_version=engine.EXPERT_VERSION)
         tmp = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
         tmp.write_text(json.dumps(game))
         tmp.replace(path)
@@ -377,10 +379,13 @@ def build_catalogue(split: str, per_type: int, data_dir: str = "", max_steps: in
     wins (the catalogue before issue 17, which hid the games it cannot win). ``progress`` (a
     ``shared.progress.Progress`` over ``per_type * len(TASK_TYPES)`` games) is told each accepted game."""
     root = data_root(data_dir)
-    manifest = root / f"catalogue-{split}-{per_type}-{max_steps}{'' if filter_won else '-all2'}.json"
+    from services.envs.alfworld_env.engine import EXPERT_VERSION
+    from services.envs.alfworld_env.pool import engine_context
+
+    # the expert's results are part of the catalogue: a catalogue of another expert is not this one's
+    manifest = root / f"catalogue-{split}-{per_type}-{max_steps}{'' if filter_won else '-all2'}-e{EXPERT_VERSION}.json"
     if manifest.exists():
         return json.loads(manifest.read_text())
-    from services.envs.alfworld_env.pool import engine_context
 
     workers = workers or min(8, os.cpu_count() or 1)
     t0 = time.perf_counter()

@@ -33,7 +33,7 @@ from urllib.parse import unquote, urlparse
 
 import structlog
 
-from services.envs.db import dialect
+from services.envs.db import dialect, strict
 from services.envs.db.grading import GROUP_CONCAT_MAX_LEN, combine_hashes, rows_hash
 from services.envs.db.tasks import Table
 
@@ -124,15 +124,21 @@ _DESCRIBE = re.compile(r"\s*(?:DESCRIBE|DESC|SHOW\s+(?:FULL\s+)?(?:COLUMNS|FIELD
 _MYSQL_TYPES = {"INTEGER": "bigint(20)", "REAL": "double", "TEXT": "text"}  # as MariaDB shows our columns
 
 
+STRICT_DATABASE = "db"  # the database name MySQL's "Table 'db.x' doesn't exist" names
+
+
 class SQLiteDB:
     kind = "sqlite"
 
-    def __init__(self, tables: Sequence[Table], limits: Limits, image: bytes | None = None) -> None:
+    def __init__(self, tables: Sequence[Table], limits: Limits, image: bytes | None = None,
+                 mysql_strict: bool = False) -> None:
         """A fresh database with ``tables``; from ``image`` (``self.image()`` of a database made from the
         same tables) it is a copy of those pages, ~8x cheaper than inserting the rows again (0.09
         against 0.7 ms for a generated task), and the first cost of a db episode at thousands of
-        sessions (docs/benchmarks/env_host.md)."""
+        sessions (docs/benchmarks/env_host.md). ``mysql_strict``: the agent's statements are refused where
+        MySQL refuses them (``strict.py``)."""
         self.limits = limits
+        self.mysql_strict = mysql_strict
         self.tables = list(tables)
         self.conn = sqlite3.connect(":memory:", isolation_level=None, check_same_thread=False)
         self.conn.setlimit(sqlite3.SQLITE_LIMIT_ATTACHED, 0)
@@ -188,6 +194,9 @@ class SQLiteDB:
         cur = self.conn.cursor()
         try:
             try:
+                if self.mysql_strict:
+                    strict.check(sql, list(dialect.tokens(sql)), [t.name for t in self.tables],
+                                 [c for t in self.tables for c, _ in t.columns], STRICT_DATABASE)
                 translated = dialect.translate(sql)
             except dialect.DialectError as exc:
                 return Result(rows=None, text=f"Error: {exc}", error=str(exc), elapsed_s=time.monotonic() - start)

@@ -20,3 +20,6 @@ class DBTaskConfig:
     levels: list[int] = opt([1, 2, 3], "difficulty levels of the generated splits (1 one table, 2 one table with two "
                                        "conditions, 3 several tables); task i has level 1 + i % 3 and the others of "
                                        "the num_*_tasks are left out")
+    mysql_strict: str = opt("auto", "on the SQLite backend, refuse the agent's SQL that MySQL refuses (T-SQL [brackets], "
+                                    "reserved words unquoted, table names in the wrong case): on | off | auto = on "
+                                    "when training for AgentBench, i.e. when agentbench_file is set")

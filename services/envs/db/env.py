@@ -127,6 +127,10 @@ class DBEnv(TaskEnv):
         if self.server is not None:
             reaped = self.server.reap(older_than_s=max(3 * cfg.session_timeout_s, 3600.0))
             log.info("db_server_ready", version=self.server.version, reaped=reaped)
+        if cfg.db.mysql_strict not in ("auto", "on", "off"):
+            raise ValueError(f"env.db.mysql_strict must be auto, on or off, got {cfg.db.mysql_strict!r}")
+        # training for AgentBench (its data served): the agent must not learn SQL that AgentBench's MySQL refuses
+        self.mysql_strict = cfg.db.mysql_strict == "on" or (cfg.db.mysql_strict == "auto" and bool(cfg.db.agentbench_file))
         self.dev: dict[str, Task] = {}
         if cfg.db.agentbench_file:
             self.dev = {t.task_id: t for t in load_agentbench(Path(cfg.db.agentbench_file))}
@@ -180,7 +184,7 @@ class DBEnv(TaskEnv):
             db = self.server.create(task.tables)
         else:  # a GRPO group opens the same task group_size times: the tables are built once, then copied
             image = self._images.get((split, task_id))
-            db = SQLiteDB(task.tables, self.limits, image)
+            db = SQLiteDB(task.tables, self.limits, image, mysql_strict=self.mysql_strict)
             if image is None:
                 self._images[(split, task_id)] = db.image()
         try:

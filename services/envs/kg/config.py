@@ -19,8 +19,9 @@ class KGTaskConfig:
     strict_prerequisites: bool = opt(False, "refuse get_neighbors / argmax / argmin before get_relations / "
                                             "get_attributes on that variable; false = list them implicitly, as "
                                             "AgentBench does")
-    one_shot: bool = opt(False, "open each episode with an example conversation (a solved question of the "
-                                "project's own graph), as AgentBench's std split does")
+    one_shot: bool = opt(False, "open each episode with an example conversation, as AgentBench's std split does: "
+                                "a solved question of the project's own graph for generated questions, "
+                                "AgentBench's published example for its own (split dev)")
     ntriples: str = opt("", "serve questions on this Freebase-namespace N-Triples graph (loaded once into a "
                             "pyoxigraph store under data_dir) instead of the generated graph; no generated splits", path=True)
     agentbench_file: str = opt("", "AgentBench-format questions (JSON list: question, entities, answer, actions) "

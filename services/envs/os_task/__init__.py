@@ -42,7 +42,6 @@ log = structlog.get_logger()
 MAX_ROUNDS = 8  # AgentBench's round_limit for the OS task
 HIDDEN_SCRIPT = '__jetrl_c=$JETRL_CHECK; unset JETRL_CHECK; eval "$__jetrl_c"'
 SWITCH_USER = re.compile(r"(?:^|[\s;&|(])(?:su|login|sudo\s+(?:-\w*[is]\w*|su))(?:\s|$)")
-CHECK_TIMEOUT_S = 300.0  # each grading script's bound: AgentBench has none; the agent's action time limit is not one
 INIT_TIMEOUT_S = 120.0  # AgentBench waits for init without a limit; one training task sleeps 60 s
 
 SYSTEM_PROMPT = (
@@ -151,9 +150,9 @@ class OSEpisode(Episode):
             raise ToolError(f"Unknown tool {tool.name!r}. Available tools: bash_action, answer_action, finish_action.")
 
     def call_timeout_s(self, tool: ToolCall) -> float | None:
-        """Grading runs the task's check scripts one after another, each within ``CHECK_TIMEOUT_S``."""
+        """Grading runs the task's check scripts one after another, each within ``env.os.check_timeout_s``."""
         if tool.name in ("answer_action", "finish_action"):
-            return CHECK_TIMEOUT_S * max(1, len(self.task.check or [])) + 30.0
+            return self.cfg.os.check_timeout_s * max(1, len(self.task.check or [])) + 30.0
         return None
 
     def close(self) -> None:
@@ -220,7 +219,7 @@ class OSEpisode(Episode):
             return re.search(task.match["regex"], answer) is not None, "regex"
         params = [str(answer)]
         # checks are ours, not the agent's: AgentBench runs them without a limit, here each gets its own bound
-        timeout = CHECK_TIMEOUT_S
+        timeout = self.cfg.os.check_timeout_s
         for entry in task.check or []:
             if entry is None and self.gold is not None:
                 params.append(self.gold)

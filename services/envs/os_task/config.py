@@ -17,6 +17,8 @@ class OSTaskConfig:
     mirror: str = opt("http://deb.debian.org/debian", "Debian mirror for the rootfs build")
     docker_prefix: str = opt("jetrl-os", "docker backend images are <prefix>/default and <prefix>/packages")
     command_timeout_s: float = opt(8.0, "wall-clock limit of one bash_action (kept below env.action_timeout_s)")
+    check_timeout_s: float = opt(300.0, "wall-clock limit of each grading script (answer_action / finish_action); "
+                                        "AgentBench has none, and env.action_timeout_s does not cut a grading")
     memory_mb: int = opt(1024, "memory cap of one episode's sandbox (AgentBench: 1 GiB)")
     pids: int = opt(256, "process cap of one episode's sandbox (a fork bomb stops here)")
     disk_mb: int = opt(512, "size of one episode's writable layer (tmpfs under the overlay)")
