@@ -33,7 +33,7 @@ from shared.lifecycle import (
 from shared.log import setup_logging
 from shared.messages import BadMessage, TrainingFinished, decode
 from shared.model import load_tokenizer, quiet_transformers, resolve_model
-from shared.signing import verifier_for
+from shared.signing import SignatureError, verifier_for
 from shared.subjects import Subjects
 
 
@@ -149,11 +149,16 @@ async def serve_openai(cfg: JetRLConfig, engine: Engine | None, tokenizer: Any, 
     url = f"http://{cfg.serve.host}:{sock.getsockname()[1]}/v1"
     chat = ChatCompletions(engine, tokenizer, cfg.serve, cfg.rollout.tool_format, cfg.rollout.max_context_tokens)
 
+    trainer = verifier_for(cfg.nats, "trainer")  # the trainer's signed word alone ends the run (shared/signing.py)
+
     async def on_finished(msg: Any) -> None:
         try:
-            done = decode(msg.data, TrainingFinished)
+            done = trainer.check(decode(msg.data, TrainingFinished))
         except BadMessage as exc:
             log.warning("bad_training_finished", reason=exc.reason)
+            return
+        except SignatureError as exc:
+            log.warning("unsigned_training_finished_refused", reason=str(exc))
             return
         chat.run_ended = {"step": done.step, "policy_version": done.policy_version, "trainer": done.replica_id,
                           "ts": done.ts}
