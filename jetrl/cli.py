@@ -53,7 +53,7 @@ from jetrl.access import close_status_api, cmd_creds, dashboard_link
 from jetrl.errors import CliError, run_cli
 from jetrl.export import add_arguments as add_export_arguments
 from jetrl.export import cmd_export
-from jetrl.outcome import RunOutcome
+from jetrl.outcome import RunOutcome, WaitNotice
 from jetrl.preflight import check_config
 from jetrl.reverify import add_arguments as add_reverify_arguments
 from jetrl.reverify import cmd_reverify
@@ -263,6 +263,7 @@ async def _follow_progress(cfg: JetRLConfig, url: str, sup: Supervisor, stop: as
     evaluation = _EvalProgress(sup.run_dir, token=controller_token(cfg.controller)) if main_role == "controller" \
         else None
     url_file, announced = sup.run_dir / "controller.url", False
+    waiting, stepped = WaitNotice(sup.run_dir, controller_token(cfg.controller)), False
     last_report = 0.0
     try:
         while not stop.is_set():
@@ -272,8 +273,11 @@ async def _follow_progress(cfg: JetRLConfig, url: str, sup: Supervisor, stop: as
                       "  (live charts, replicas, trajectories)", flush=True)
             if evaluation is not None:
                 await evaluation.poll()
+            if not stepped:  # a first start may wait minutes for an env to build its data: say so
+                await waiting.poll()
             try:
                 r = await asyncio.wait_for(reports.get(), timeout=1.0)
+                stepped = True
                 tasks = sorted({k.split("/")[1] for k in r.values if k.startswith("task/") and k.endswith("/success")})
                 per_task = "  ".join(f"{t}: success {r.values[f'task/{t}/success']:.2f} "
                                      f"reward {r.values[f'task/{t}/reward']:.2f}" for t in tasks)
