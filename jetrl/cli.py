@@ -69,6 +69,8 @@ from shared.auth import (
     generate_passwords,
     password_env_var,
     password_file,
+    replica_user,
+    run_users,
     server_authorization,
 )
 from shared.bus import connect, declare_topology
@@ -78,6 +80,7 @@ from shared.log import setup_logging
 from shared.messages import ActionEvent, BadMessage, MetricsReport, ObservationEvent, Trajectory, decode, encode
 from shared.natsd import EmbeddedNats
 from shared.progress import Progress, format_duration
+from shared.signing import generate_signing_keys, signing_key_path, verifier_for
 from shared.subjects import Subjects
 from shared.tasks import ExternalEnv, TaskSource, find_task
 
@@ -130,6 +133,7 @@ class Supervisor:
         self.nats = nats
         self.nats_child = Child([], [], started_at=time.monotonic())
         self.restarts: dict[str, int] = {}
+        self.replica_users: dict[str, str] = {}  # service -> its own NATS user (shared.auth.replica_user)
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
 
     def spawn(self, name: str, module_args: list[str], overrides: list[str] | None = None,
@@ -143,6 +147,12 @@ class Supervisor:
         cmd = child.command or [sys.executable, "-m", *child.module_args, "--config", str(self.config_path),
                                 *child.overrides]
         env = dict(os.environ, PYTHONUNBUFFERED="1", **(child.environ or {}))
+        signer = name if name in ("trainer", "controller") else ""
+        if signer and self.cfg.nats.trainer_public_key and self.cfg.nats.auth_dir:  # its private key, for it alone
+            env["JETRL__NATS__SIGNING_KEY_FILE"] = str(signing_key_path(self.cfg.nats.auth_dir, signer))
+        if name in self.replica_users:  # the environment, not a flag: no command line carries where the secret is
+            user = self.replica_users[name]
+            env.update(JETRL__NATS__USER=user, JETRL__NATS__PASSWORD_FILE=str(Path(self.cfg.nats.auth_dir) / f"{user}.password"))
         self.procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=child.cwd,
                                             start_new_session=True, preexec_fn=_die_with_parent)
         log.close()
@@ -247,7 +257,7 @@ async def _follow_progress(cfg: JetRLConfig, url: str, sup: Supervisor, stop: as
             pass
 
     await nc.subscribe(subjects.metrics("trainer"), cb=on_metrics)
-    outcome = RunOutcome()
+    outcome = RunOutcome(verifier_for(cfg.nats, "controller"))
     await outcome.follow(nc, subjects)
     started, rc = time.monotonic(), 0
     evaluation = _EvalProgress(sup.run_dir, token=controller_token(cfg.controller)) if main_role == "controller" \
@@ -409,17 +419,20 @@ def spawn_env(sup: Supervisor, cfg: JetRLConfig, source: TaskSource, replica: in
     if not source.command:
         sup.spawn(name, ["services.envs", source.task])
         return
-    told = ExternalEnv(nats_url=cfg.nats.url, nats_user=credentials(cfg.nats, "env").user,
-                       nats_password_file=password_file(cfg.nats, "env"), nats_prefix=cfg.nats.prefix,
+    user = sup.replica_users.get(name)  # its own user where jetrl up made one, else the env role's
+    told = ExternalEnv(nats_url=cfg.nats.url, nats_user=user or credentials(cfg.nats, "env").user,
+                       nats_password_file=str(Path(cfg.nats.auth_dir) / f"{user}.password") if user
+                       else password_file(cfg.nats, "env"), nats_prefix=cfg.nats.prefix,
                        task=source.task, replica_id=name, heartbeat_ttl_s=cfg.controller.heartbeat_ttl_s)
     sup.spawn(name, [], command=list(source.command), environ=told.environ(), cwd=cwd)
 
 
 def cmd_up(args: argparse.Namespace, overrides: list[str], mode: str = "up") -> int:
     cfg = load_config(args.config, MODE_DEFAULTS[mode] + eval_overrides(args) + overrides)
-    preflight(cfg)  # before anything starts: a mistake in one line now, not a crash loop in minutes
-    if getattr(args, "data", None):
-        print(f"jetrl sft: {describe_dataset(args.data, cfg)}", flush=True)
+    data = getattr(args, "data", None)  # jetrl sft --data: demonstrations from a file, no env or rollout
+    preflight(cfg, serving=data is not None)  # before anything starts: a mistake in one line now, not a crash loop
+    if data is not None:
+        print(f"jetrl sft: {describe_dataset(data, cfg)}", flush=True)
     trainer_command(getattr(args, "trainer_ranks", 1), cfg.trainer.torch_threads)  # a bad --trainer-ranks: say so first
     sources = {task: find_task(task, cfg.env) for task, share in cfg.controller.tasks.items() if share > 0}
     command_dir = str(Path(args.config).resolve().parent) if args.config else os.getcwd()
@@ -431,10 +444,16 @@ def cmd_up(args: argparse.Namespace, overrides: list[str], mode: str = "up") -> 
     server = None
     if not cfg.nats.url:
         authorization = ""
-        if cfg.nats.embedded_auth:  # one user per role, passwords in <run>/nats/auth (0600): shared/auth.py
+        if cfg.nats.embedded_auth:  # one user per role and per replica, passwords in <run>/nats/auth (0600): shared/auth.py
             auth_dir = run_dir / "nats" / "auth"
-            authorization = server_authorization(Subjects(cfg.nats.prefix), generate_passwords(auth_dir))
+            users = run_users([replica_user(name) for name in _replica_services(cfg, args)])
+            authorization = server_authorization(Subjects(cfg.nats.prefix), generate_passwords(auth_dir, list(users)),
+                                                 users)
             cfg.nats.auth_dir = str(auth_dir)
+            # the trainer's and the controller's keys: every role checks their control messages (shared/signing.py)
+            public = generate_signing_keys(auth_dir)
+            cfg.nats.trainer_public_key, cfg.nats.controller_public_key = public["trainer"], public["controller"]
+            cfg.nats.signing_key = cfg.nats.signing_key_file = ""
             cfg.nats.user = cfg.nats.password = cfg.nats.password_file = cfg.nats.creds_file = ""
         server = EmbeddedNats(run_dir / "nats", authorization=authorization)
         cfg.nats.url = server.start()
@@ -452,10 +471,11 @@ def cmd_up(args: argparse.Namespace, overrides: list[str], mode: str = "up") -> 
     print(f"jetrl {mode}: run directory {run_dir}, NATS {cfg.nats.url} (prefix {cfg.nats.prefix})", flush=True)
     print(f"jetrl {mode}: watch live episodes with `jetrl watch --run-dir {run_dir} --events`", flush=True)
     sup = Supervisor(cfg, config_path, run_dir, server)
+    if cfg.nats.auth_dir and cfg.nats.embedded_auth and server is not None:
+        sup.replica_users = {name: replica_user(name) for name in _replica_services(cfg, args)}
     (run_dir / "controller.url").unlink(missing_ok=True)  # an earlier run's; the new controller writes its own
     stop = asyncio.Event()
     rc = 1
-    data = getattr(args, "data", None)  # jetrl sft --data: demonstrations from a file, no env or rollout
     try:
         for source in sources.values() if data is None else ():
             for i in range(args.env_replicas):
@@ -493,6 +513,15 @@ def cmd_up(args: argparse.Namespace, overrides: list[str], mode: str = "up") -> 
         if server is not None:
             server.stop()
     return rc
+
+
+def _replica_services(cfg: JetRLConfig, args: argparse.Namespace) -> list[str]:
+    """The services `jetrl up` may start several of: each gets a NATS user of its own (shared.auth.replica_user),
+    so no replica reads another's replies or writes another's registry key."""
+    envs = [f"env-{task}-{i}" for task, share in cfg.controller.tasks.items() if share > 0
+            for i in range(getattr(args, "env_replicas", 1))]
+    return [*envs, *(f"rollout-{i}" for i in range(getattr(args, "rollouts", 1))),
+            *(f"stale-{i}" for i in range(getattr(args, "stale_engines", 0)))]
 
 
 def _keep_earlier_run(run_dir: Path, mode: str) -> None:

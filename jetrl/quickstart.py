@@ -35,6 +35,8 @@ DEFAULT_PROBE_TASKS = 16  # when RL draws from every training task, the probe ta
 
 def warm_start_dir(cfg: JetRLConfig) -> Path:
     shaping: dict[str, Any] = {section: dataclasses.asdict(getattr(cfg, section)) for section in WARM_START_KEYS}
+    # the mix's task settings as their tasks read them (typed, defaults filled in), however they were given
+    shaping["env"]["sections"] = {task: _plain(cfg.env.section(task)) for task in sorted(cfg.controller.tasks)}
     shaping.update(tasks=cfg.controller.tasks, tool_format=cfg.rollout.tool_format, seed=cfg.run.seed,
                    max_new_tokens=cfg.rollout.max_new_tokens, max_context=cfg.rollout.max_context_tokens)
     for key in ("cache_dir", "probe_samples"):  # where it is kept, and how it is probed, do not change it
@@ -42,6 +44,10 @@ def warm_start_dir(cfg: JetRLConfig) -> Path:
     key = hashlib.sha256(json.dumps(shaping, sort_keys=True).encode()).hexdigest()[:12]
     root = cfg.warmstart.cache_dir or os.environ.get("JETRL_CACHE", str(Path.home() / ".cache" / "jetrl"))
     return Path(root).expanduser() / "warmstart" / f"{cfg.model.name.replace('/', '_')}-{key}"
+
+
+def _plain(settings: Any) -> Any:
+    return dataclasses.asdict(settings) if dataclasses.is_dataclass(settings) else settings
 
 
 def sft_overrides(cfg: JetRLConfig, run_dir: Path) -> list[str]:

@@ -7,7 +7,7 @@ status) and, on the way, the opening and each answer. This is the env contract's
 task spec, seed and the ordered action log, a new replica rebuilds the same session state"), and how a
 grader fix is checked against the episodes already played.
 
-    jetrl reverify --run-dir runs/rl --env.db.levels=[1,2]     # any config change the new env should have
+    jetrl reverify --run-dir runs/rl --env.<task>.levels=[1,2]  # any config change the new env should have
 
 The command reads the run's trajectories as the observer and replays them against env services it starts
 itself (``python -m services.envs <task>``, the run's config with the overrides) on a nats-server of its

@@ -26,7 +26,8 @@ import structlog
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
-from jetrl.dataset import Conversation, read_conversations
+from jetrl.dataset import Conversation, DatasetError, read_conversations
+from jetrl.errors import CliError
 from shared.bus import connect, publish_retrying
 from shared.chat import tokenize_conversation
 from shared.config import JetRLConfig
@@ -57,8 +58,6 @@ def check_dataset(path: str | Path, min_reward: float) -> DatasetSummary:
         trained += conv.reward >= min_reward
         tasks[conv.task] = tasks.get(conv.task, 0) + 1
     if not trained:
-        from jetrl.dataset import DatasetError
-
         raise DatasetError(f"{path}: none of its {rows} rows has a reward >= trainer.sft_min_reward "
                            f"({min_reward:g}): nothing to train on")
     return DatasetSummary(rows=rows, trained=trained, tasks=tasks)
@@ -118,7 +117,13 @@ async def feed(cfg: JetRLConfig, path: str | Path, stop: asyncio.Event) -> int:
 
 
 def describe_dataset(path: str | Path, cfg: JetRLConfig) -> str:
-    """Check the file (a bad row: a ``DatasetError`` naming it) and say what the run will train on."""
+    """Check the model and the file (a bad row: a ``DatasetError`` naming it), and say what the run will train
+    on. No task is played, so the task mix is not checked (``preflight(serving=True)``)."""
+    from jetrl.preflight import check_model
+
+    problems = check_model(cfg.model.name)
+    if problems:
+        raise CliError("\n".join(problems))
     summary = check_dataset(path, cfg.trainer.sft_min_reward)
     tasks = ", ".join(f"{t} {n}" for t, n in sorted(summary.tasks.items()))
     return (f"{path}: {summary.rows} conversations ({tasks}), {summary.trained} with reward >= "

@@ -65,9 +65,38 @@ class Credentials:
     inbox_prefix: str = "_INBOX"
 
 
-def inbox_prefix(role: str) -> str:
-    """Replies to a role's requests arrive under this prefix; only that role may subscribe to it."""
-    return "_INBOX" if role == "admin" else f"_INBOX_{role}"
+def user_role(user: str) -> str | None:
+    """The role of a NATS user: a role's own user (``rollout``) or one replica's (``rollout-0``, ``env-db-1``:
+    the role, a dash, the replica); None for a user of some other scheme (an operator's own)."""
+    head = user.split("-", 1)[0]
+    return head if head in ROLES else None
+
+
+def inbox_prefix(user: str) -> str:
+    """Replies to a user's requests arrive under this prefix; only that user may subscribe to it, so one
+    replica cannot read another's replies (nor the deliveries of its consumers)."""
+    return "_INBOX" if user == "admin" or user_role(user) is None else f"_INBOX_{user}"
+
+
+def replica_user(service: str) -> str:
+    """The NATS user ``jetrl up`` gives one service it starts, named as the service (``rollout-0``,
+    ``env-db-1``, ``trainer``); a stale engine (``stale-0``) is a rollout replica (``rollout-stale-0``)."""
+    user = f"rollout-{service}" if service.startswith("stale-") else service
+    if user_role(user) is None:
+        raise AuthError(f"service {service!r} has no role (its name must start with one of {', '.join(ROLES)})")
+    return user
+
+
+def run_users(replicas: list[str] | tuple[str, ...] = ()) -> dict[str, str]:
+    """User -> role: every role's own user (``jetrl watch``, ``jetrl serve`` and tools connect as these) and
+    one user per replica in ``replicas`` (``replica_user`` names)."""
+    users = {role: role for role in ROLES}
+    for user in replicas:
+        role = user_role(user)
+        if role is None or role in ("admin", "observer"):
+            raise AuthError(f"replica user {user!r} names no service role")
+        users[user] = role
+    return users
 
 
 # ---------------------------------------------------------------------------- the permission table
@@ -113,13 +142,15 @@ def _not_durable(stream: str, name: str) -> list[str]:
             f"$JS.ACK.{stream}.{name}.>"]
 
 
-def role_permissions(subjects: Subjects, role: str) -> Permissions:
-    """The permissions of ``role`` for the run namespace ``subjects``: the one definition."""
+def role_permissions(subjects: Subjects, role: str, user: str | None = None) -> Permissions:
+    """The permissions of ``role`` for the run namespace ``subjects``: the one definition. ``user``: one
+    replica's user of that role (``rollout-0``), which gets its own inbox and only its own registry key."""
     s = subjects
+    user = user or role
     kv_policy, kv_registry = f"KV_{s.policy_kv}", f"KV_{s.registry_kv}"
     obj_weights = Subjects.object_stream(s.weights_bucket)
     streams = [s.jobs_stream, s.episodes_stream, s.traj_stream, s.dlq_stream, kv_policy, kv_registry, obj_weights]
-    inbox = f"{inbox_prefix(role)}.>"
+    inbox = f"{inbox_prefix(user)}.>"
     if role == "admin":
         return Permissions(publish=(">",), subscribe=(">",), allow_responses=False)
     if role == "observer":  # writes nothing; reads the streams through ephemeral consumers it names
@@ -133,7 +164,8 @@ def role_permissions(subjects: Subjects, role: str) -> Permissions:
         raise AuthError(f"unknown role {role!r} (known: {', '.join(ROLES)})")
     # every service: look its streams up, heartbeat under its own role's keys, dead-letter; a container's
     # healthcheck (shared/healthcheck.py) reads the registry's entries by message get
-    pub = [*_lookup(streams), s.registry_entries(role), s.dead_letter(">"), *_message_get(kv_registry)]
+    heartbeats = s.registry_entries(role, "*" if user == role else user)  # a replica's user: its key alone
+    pub = [*_lookup(streams), heartbeats, s.dead_letter(">"), *_message_get(kv_registry)]
     sub = [inbox]
     if role == "trainer":
         pub += [s.weights_published, s.training_finished, s.metrics("trainer"),
@@ -164,10 +196,10 @@ def role_permissions(subjects: Subjects, role: str) -> Permissions:
 
 
 # ---------------------------------------------------------------------------- server config
-def password_env_var(role: str) -> str:
-    """The environment variable holding ``role``'s password where the server reads it from the
-    environment (compose): ``JETRL_NATS_<ROLE>_PASSWORD``."""
-    return f"JETRL_NATS_{role.upper()}_PASSWORD"
+def password_env_var(user: str) -> str:
+    """The environment variable holding ``user``'s password where the server reads it from the
+    environment (compose): ``JETRL_NATS_<USER>_PASSWORD`` (``rollout-0``: ``JETRL_NATS_ROLLOUT_0_PASSWORD``)."""
+    return f"JETRL_NATS_{user.upper().replace('-', '_')}_PASSWORD"
 
 
 def env_password() -> str:
@@ -184,15 +216,16 @@ CLUSTER_PASSWORD_ENV = "JETRL_NATS_CLUSTER_PASSWORD"
 route to each other with: a server that does not know it cannot join the cluster."""
 
 
-def server_authorization(subjects: Subjects, passwords: dict[str, str] | None = None) -> str:
-    """The nats-server ``authorization`` block: one user per role of ``ROLES``. With ``passwords``
-    they are written in (the embedded server's config, mode 0600); without, each is the environment
-    variable ``password_env_var(role)``, which nats-server resolves at start-up and refuses to start
-    without. No ``no_auth_user``: a client without credentials is not let in."""
+def server_authorization(subjects: Subjects, passwords: dict[str, str] | None = None,
+                         users: dict[str, str] | None = None) -> str:
+    """The nats-server ``authorization`` block: one user per entry of ``users`` (user -> role; default: one
+    per role of ``ROLES``). With ``passwords`` they are written in (the embedded server's config, mode 0600);
+    without, each is the environment variable ``password_env_var(user)``, which nats-server resolves at
+    start-up and refuses to start without. No ``no_auth_user``: a client without credentials is not let in."""
     lines = ["authorization {", "  users = ["]
-    for role in ROLES:
-        perms = role_permissions(subjects, role)
-        secret = json.dumps(passwords[role]) if passwords is not None else "$" + password_env_var(role)
+    for user, role in (users or {r: r for r in ROLES}).items():
+        perms = role_permissions(subjects, role, user)
+        secret = json.dumps(passwords[user]) if passwords is not None else "$" + password_env_var(user)
         publish: dict[str, list[str]] = {"allow": list(perms.publish)}
         if perms.deny_publish:
             publish["deny"] = list(perms.deny_publish)
@@ -202,27 +235,27 @@ def server_authorization(subjects: Subjects, passwords: dict[str, str] | None = 
         body = f'"publish": {json.dumps(publish)}, "subscribe": {json.dumps(subscribe)}'
         if perms.allow_responses:
             body += ', "allow_responses": true'
-        lines.append(f'    {{user: "{role}", password: {secret}, permissions: {{{body}}}}}')
+        lines.append(f'    {{user: "{user}", password: {secret}, permissions: {{{body}}}}}')
     lines += ["  ]", "}"]
     return "\n".join(lines) + "\n"
 
 
-def generate_passwords(auth_dir: str | os.PathLike[str]) -> dict[str, str]:
-    """A fresh random password per role, each written to ``<auth_dir>/<role>.password`` (0600). A
-    directory written before is read back instead, so a resumed run keeps its users."""
+def generate_passwords(auth_dir: str | os.PathLike[str], users: list[str] | tuple[str, ...] = ROLES) -> dict[str, str]:
+    """A fresh random password per user (default: per role), each written to ``<auth_dir>/<user>.password``
+    (0600). A password written before is read back instead, so a resumed run keeps its users."""
     auth_dir = Path(auth_dir)
     auth_dir.mkdir(parents=True, exist_ok=True)
     os.chmod(auth_dir, 0o700)
     out: dict[str, str] = {}
-    for role in ROLES:
-        path = auth_dir / f"{role}.password"
+    for user in users:
+        path = auth_dir / f"{user}.password"
         if path.is_file() and path.read_text().strip():
-            out[role] = path.read_text().strip()
+            out[user] = path.read_text().strip()
             continue
-        out[role] = secrets.token_urlsafe(24)
+        out[user] = secrets.token_urlsafe(24)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as fh:
-            fh.write(out[role] + "\n")
+            fh.write(out[user] + "\n")
     return out
 
 
@@ -237,8 +270,7 @@ def credentials(cfg: NatsConfig, role: str | None) -> Credentials:
         password = cfg.password
         if not password and cfg.password_file:
             password = _read_secret(cfg.password_file, "nats.password_file")
-        return Credentials(user=cfg.user, password=password, inbox_prefix=inbox_prefix(cfg.user)
-                           if cfg.user in ROLES else "_INBOX")
+        return Credentials(user=cfg.user, password=password, inbox_prefix=inbox_prefix(cfg.user))
     if cfg.auth_dir and role:
         if role not in ROLES:
             raise AuthError(f"unknown role {role!r} (known: {', '.join(ROLES)})")
@@ -266,7 +298,7 @@ def manages_topology(cfg: NatsConfig, role: str | None) -> bool:
     """Whether this client creates and updates streams and buckets: on an open server, with one shared
     user (the behaviour before roles), and as admin; a role user only waits for them to exist."""
     user = credentials(cfg, role).user
-    return user not in ROLES or user == "admin"
+    return user_role(user) in (None, "admin")
 
 
 def _read_secret(path: str | os.PathLike[str], key: str) -> str:

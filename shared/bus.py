@@ -38,13 +38,13 @@ from nats.js.errors import BadRequestError, NoStreamResponseError, NotFoundError
 from nats.js.kv import KeyValue
 from nats.js.object_store import ObjectStore
 
-from shared.auth import credentials, manages_topology
+from shared.auth import credentials, manages_topology, user_role
 from shared.config import NatsConfig
 from shared.digest import new_hasher, split_digest
 from shared.lifecycle import supervise
 from shared.messages import MAX_MESSAGE_BYTES, BadMessage, DeadLetter, Heartbeat, M, MetricsReport, decode, encode, now
 from shared.objectread import ChunkPlan, ObjectReadError, missing_internals, read_chunks
-from shared.subjects import Subjects
+from shared.subjects import Subjects, role_family
 
 log = structlog.get_logger()
 
@@ -387,8 +387,12 @@ async def publish_metrics(nc: Client, subjects: Subjects, role: str, replica_id:
                                                                   values=values)))
 
 
-def replica_name(role: str) -> str:
-    """A replica id unique on this cluster: role, host and pid (subject-token safe)."""
+def replica_name(role: str, cfg: NatsConfig | None = None) -> str:
+    """A replica id unique on this cluster: one replica's own NATS user where it has one (``jetrl up`` gives
+    each service its own: ``rollout-0``; the registry then lets it write that key alone), else role, host and
+    pid (subject-token safe)."""
+    if cfg is not None and cfg.user and user_role(cfg.user) == role_family(role) != cfg.user:
+        return cfg.user
     host = socket.gethostname().split(".")[0].replace("_", "-")
     if os.path.exists("/.dockerenv"):
         # In a container the pid is 1 or so, and with host networking (compose's local profile) every replica

@@ -55,6 +55,14 @@ class NatsConfig:
                             "service connects as the user named after its role (shared/auth.py)")
     embedded_auth: bool = opt(True, "jetrl up's embedded nats-server has one user per role with subject "
                                     "permissions (shared/auth.py); false = an open server")
+    trainer_public_key: str = opt("", "the trainer's Ed25519 public key (hex; jetrl up and jetrl secrets make it): "
+                                      "weights announcements, policy-KV entries and TrainingFinished not signed "
+                                      "with it are refused (shared/signing.py); empty = nothing checked")
+    controller_public_key: str = opt("", "the controller's Ed25519 public key (hex): run.control messages not "
+                                         "signed with it are refused; empty = nothing checked")
+    signing_key_file: str = opt("", "this service's Ed25519 private key (hex, 0600; the trainer's or the "
+                                    "controller's), which signs its control messages")
+    signing_key: str = opt("", "the same key given as a value (compose: from the environment)")
     # bounds of the streams that grow with the run (issue 16): the oldest messages go first
     traj_max_age_s: float = opt(7 * 86400.0, "TRAJ keeps trajectories this long")
     traj_max_bytes: int = opt(4 * 1024**3, "TRAJ holds at most this many bytes (-1 = no bound)")
@@ -155,7 +163,9 @@ class EnvConfig:
                 unknown.add(task)
                 section = self.sections.get(task, {})
             if isinstance(section, dict) and key in section:
-                return _check_type(section[key], _keys(EnvConfig)[key], f"env.{task}.{key}")
+                hint, value = _keys(EnvConfig)[key], section[key]
+                value = _parse_scalar(value, hint, f"env.{task}.{key}") if isinstance(value, str) else value
+                return _check_type(value, hint, f"env.{task}.{key}")
             if not isinstance(section, dict) and hasattr(section, key):
                 return getattr(section, key)
         return getattr(self, key)

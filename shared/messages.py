@@ -368,6 +368,8 @@ class WeightsAnnouncement(Message, tag="weights", kw_only=True):
     ts: float = msgspec.field(default_factory=now)
     format: str = "full"
     """``full``: every weight; ``lora``: an adapter (``shared.model.lora_delta``) to add to the base weights."""
+    signature: str = ""
+    """The trainer's Ed25519 signature (hex) of the run's prefix and this message without it (shared/signing.py)."""
 
 
 class Heartbeat(Message, tag="heartbeat", kw_only=True):
@@ -418,6 +420,8 @@ class RunControl(Message, tag="run_control", kw_only=True):
     step: int = 0
     info: dict[str, Any] = msgspec.field(default_factory=dict)
     ts: float = msgspec.field(default_factory=now)
+    signature: str = ""
+    """The controller's Ed25519 signature (hex) of the run's prefix and this message without it."""
 
 
 class TrainingFinished(Message, tag="training_finished", kw_only=True):
@@ -428,6 +432,8 @@ class TrainingFinished(Message, tag="training_finished", kw_only=True):
     policy_version: int
     replica_id: str
     ts: float = msgspec.field(default_factory=now)
+    signature: str = ""
+    """The trainer's Ed25519 signature (hex) of the run's prefix and this message without it."""
 
 
 MESSAGES: tuple[type[Message], ...] = (

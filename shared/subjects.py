@@ -22,7 +22,7 @@ def check_token(value: str, what: str) -> str:
     return value
 
 
-def user_role(role: str) -> str:
+def role_family(role: str) -> str:
     """The NATS user role a service role belongs to: ``env-<task>`` (a task's env) is an ``env``."""
     return role.split("-", 1)[0]
 
@@ -173,7 +173,7 @@ class Subjects:
         """A replica's registry key, ``<user role>.<replica_id>`` (``env.env-mytask-host-12`` for role ``env-mytask``): the
         role is read from the key, which that role's users alone may write (shared/auth.py), never from the
         heartbeat's body."""
-        return f"{user_role(check_token(role, 'role'))}.{check_token(replica_id, 'replica id')}"
+        return f"{role_family(check_token(role, 'role'))}.{check_token(replica_id, 'replica id')}"
 
     def registry_entries(self, role: str = "*", replica_id: str = "*") -> str:
         """The subjects registry writes are published on (``$KV.<bucket>.<role>.<replica_id>``)."""

@@ -23,7 +23,7 @@ import pytest
 from nats.aio.client import Client
 
 from services.controller.controller import Controller
-from shared.auth import ROLES, generate_passwords, inbox_prefix, role_permissions, server_authorization
+from shared.auth import ROLES, generate_passwords, inbox_prefix, role_permissions, run_users, server_authorization
 from shared.bus import connect, declare_topology, read_object
 from shared.config import JetRLConfig, NatsConfig, save_config
 from shared.consumers import declare_durables
@@ -42,8 +42,9 @@ def auth_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str,
     """A nats-server with one user per role, for the namespace PREFIX: (url, auth dir, server log)."""
     root = tmp_path_factory.mktemp("authnats")
     auth_dir = root / "auth"
-    server = EmbeddedNats(root / "nats", authorization=server_authorization(Subjects(PREFIX),
-                                                                            generate_passwords(auth_dir)))
+    users = run_users(["rollout-0", "rollout-1"])  # every role's user, and two rollout replicas' own (jetrl up)
+    server = EmbeddedNats(root / "nats", authorization=server_authorization(
+        Subjects(PREFIX), generate_passwords(auth_dir, list(users)), users))
     url = server.start()
     yield url, auth_dir, server.log_file
     server.stop()
@@ -72,7 +73,7 @@ class Errors:
 
 
 async def as_role(auth_server: tuple[str, Path, Path], role: str, errors: Errors | None = None) -> Client:
-    """A bare client logged in as ``role`` (no reconnects: a refusal is an answer here)."""
+    """A bare client logged in as ``role`` or one replica's user (no reconnects: a refusal is an answer here)."""
     url, auth_dir, _ = auth_server
     return await nats.connect(url, user=role, password=(auth_dir / f"{role}.password").read_text().strip(),
                               inbox_prefix=inbox_prefix(role), allow_reconnect=False, connect_timeout=3,

@@ -14,6 +14,7 @@ import pytest
 from jetrl.cli import main
 from jetrl.preflight import check_config
 from shared.config import JetRLConfig, save_config
+from shared.tasks import registered_tasks
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -29,8 +30,8 @@ def test_jetrl_up_refuses_a_bad_config_in_one_line_before_starting_anything(tmp_
     run_dir = tmp_path / "run"
     up = ["up", f"--run.dir={run_dir}", '--controller.tasks={"db": 1}']
     assert errors_of(capsys, [*up, '--controller.tasks={"dbb": 1}']) == [
-        "jetrl: error: controller.tasks: unknown task 'dbb' (did you mean 'db'?) (known: alfworld, bfcl, db, kg, "
-        "os, webshop)"]
+        "jetrl: error: controller.tasks: unknown task 'dbb' (did you mean 'db'?) (known: "
+        f"{', '.join(sorted(registered_tasks()))})"]
     assert errors_of(capsys, [*up, "--model.name=runs/nowhere/model"]) == [
         f"jetrl: error: model.name='runs/nowhere/model': not 'tiny', 'smollm2' or a directory "
         f"({Path('runs/nowhere/model').resolve()} does not exist)"]

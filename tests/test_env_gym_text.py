@@ -14,6 +14,7 @@ from services.envs.gym_text import GymTextConfig, build_env  # noqa: E402
 from services.envs.host import EnvHost  # noqa: E402
 from shared.config import EnvConfig  # noqa: E402
 from shared.envapi import EnvClient  # noqa: E402
+from tests.procs import env_check  # noqa: E402
 
 WORD_GAME = "tests.servers.word_game:WordGame"
 FROZEN_LAKE = GymTextConfig(id="FrozenLake-v1", kwargs={"render_mode": "ansi", "is_slippery": False})
@@ -130,3 +131,10 @@ async def test_served_over_nats_bad_calls_are_observations_and_a_crash_is_env_er
     finally:
         await service.stop()
         await host.shutdown()
+
+
+def test_env_check_passes() -> None:
+    """`jetrl env-check gym` on a reasoning-gym dataset (whose oracle submits the dataset's answer)."""
+    out = env_check("gym", "--env.gym.source=reasoning_gym", "--env.gym.id=basic_arithmetic",
+                    "--env.num_train_tasks=4", "--env.num_test_tasks=2")
+    assert "2/2 solved" in out and "env-check gym: 11 passed" in out

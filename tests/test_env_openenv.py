@@ -27,7 +27,7 @@ from services.envs.host import EnvHost  # noqa: E402
 from services.envs.openenv_env import OpenEnvConfig, OpenEnvEnv  # noqa: E402
 from shared.config import EnvConfig  # noqa: E402
 from shared.envapi import EnvClient, EnvError  # noqa: E402
-from tests.procs import stop_processes  # noqa: E402
+from tests.procs import env_check, stop_processes  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -216,3 +216,9 @@ async def test_a_hung_step_is_env_timeout_and_cancel_closes_the_session(nc, subj
     finally:
         await service.stop()
         await host.shutdown()
+
+
+def test_env_check_passes(server: str) -> None:
+    """`jetrl env-check openenv` against the guess server: no oracle, every other check."""
+    out = env_check("openenv", f"--env.openenv.url={server}/guess", "--env.num_train_tasks=2", "--env.num_test_tasks=2")
+    assert "has no oracle" in out and "env-check openenv: 9 passed" in out

@@ -7,7 +7,8 @@ live run, tried against a real nats-server with the real permissions (shared/aut
 - a role putting bytes of its own on a subject it may not publish, by reading back a stream it writes
   through a push consumer's deliver subject or a direct get's reply subject (nats-server sends stored
   messages there on the client's behalf, past its publish permissions);
-- status from anyone: a metrics report or a heartbeat whose body names another role.
+- status from anyone: a metrics report or a heartbeat whose body names another role;
+- one replica reading another's replies, or writing its registry key (one user per replica).
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ import pytest
 from nats.aio.client import Client
 
 from services.controller.controller import Controller
-from shared.bus import connect, heartbeat_loop, publish_metrics
+from shared.auth import inbox_prefix
+from shared.bus import connect, heartbeat_loop, publish_metrics, replica_name
 from shared.config import JetRLConfig
 from shared.messages import Heartbeat, MetricsReport, TrainingFinished, encode
 from shared.subjects import Subjects
@@ -164,3 +166,28 @@ async def test_status_comes_from_the_source_never_from_the_body(auth_server: Aut
     await asyncio.gather(beat, watcher, return_exceptions=True)
     await rollout.close()
     await nc.close()
+
+
+async def test_a_replica_reads_no_other_replicas_replies_and_writes_only_its_own_key(auth_server: Auth,
+                                                                                   admin: Client) -> None:
+    s = Subjects(PREFIX)
+    errors = Errors()
+    victim = await as_role(auth_server, "rollout-0")
+    thief = await as_role(auth_server, "rollout-1", errors)
+    stolen = await thief.subscribe(f"{inbox_prefix('rollout-0')}.>")  # refused: nothing comes
+    for _ in range(3):  # the victim's JetStream API replies (stream info, its policy KV read, ...)
+        await victim.jetstream().stream_info(s.jobs_stream)
+    with pytest.raises(nats.errors.TimeoutError):
+        await stolen.next_msg(timeout=0.3)
+    tjs = thief.jetstream(timeout=0.5)
+    with pytest.raises(nats.errors.TimeoutError):  # the victim's heartbeat key
+        await tjs.publish(s.registry_entries("rollout", "rollout-0"), b"x")
+    assert (await tjs.publish(s.registry_entries("rollout", "rollout-1"), b"x")).seq > 0
+    await asyncio.sleep(0.2)
+    assert f"{inbox_prefix('rollout-0')}.>".lower() in errors.refused()
+    cfg = role_cfg(auth_server)
+    cfg.user, cfg.password_file = "rollout-0", str(auth_server[1] / "rollout-0.password")
+    assert replica_name("rollout", cfg) == "rollout-0" and inbox_prefix("rollout-0") == "_INBOX_rollout-0"
+    assert replica_name("rollout").startswith("rollout-") and replica_name("rollout") != "rollout-0"
+    for client in (victim, thief):
+        await client.close()

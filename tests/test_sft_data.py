@@ -110,7 +110,7 @@ def test_export_of_a_runs_successes_trains_with_sft_data_and_the_loss_falls(orac
                                                                           tmp_path: Path) -> None:
     """The oracle run's successful episodes exported from its finished store, then `jetrl sft --data` on
     that file: no env or rollout runs, every step trains on a full batch, the loss falls step by step."""
-    oracle_run_dir, cfg_path = oracle_run
+    oracle_run_dir, _ = oracle_run
     demos = tmp_path / "demos.parquet"
     proc = _jetrl("export", "--run-dir", str(oracle_run_dir), "-o", str(demos), "--task", "db", "--status",
                   "completed", "--min-reward", "1", timeout=120)
@@ -123,7 +123,7 @@ def test_export_of_a_runs_successes_trains_with_sft_data_and_the_loss_falls(orac
     frame.head(4).to_parquet(four)
 
     data_run = tmp_path / "from-data"
-    proc = _jetrl("sft", "--config", str(cfg_path), "--data", str(four), f"--run.dir={data_run}",
+    proc = _jetrl("sft", "--data", str(four), f"--run.dir={data_run}",  # the defaults: no task mix, none needed
                   "--trainer.steps=4", "--trainer.lr=3e-3", "--trainer.min_groups=4", "--trainer.max_groups=4",
                   "--trainer.checkpoint_every=0")
     assert proc.returncode == 0, proc.stdout + proc.stderr

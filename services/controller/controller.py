@@ -39,7 +39,7 @@ from nats.js.errors import NotFoundError
 from services.controller.board import RunBoard
 from services.controller.report import eval_report
 from services.controller.sources import Replicas, checked_report
-from shared.bus import TRANSIENT, decode_or_dead_letter, judge_each, publish_retrying
+from shared.bus import TRANSIENT, dead_letter, decode_or_dead_letter, judge_each, publish_retrying
 from shared.config import JetRLConfig
 from shared.consumers import bind_durable, controller_consumer
 from shared.envapi import EnvClient, EnvError
@@ -56,6 +56,7 @@ from shared.messages import (
     encode,
 )
 from shared.readiness import describe_build, is_building
+from shared.signing import SignatureError, signer_for, verifier_for
 from shared.subjects import Subjects
 
 log = structlog.get_logger()
@@ -134,6 +135,9 @@ class Controller:
         self.replicas: list[dict[str, Any]] = []
         self.registry = Replicas(subjects, cfg.controller.heartbeat_ttl_s)
         self.refused_reports = 0  # metrics whose body names another role than their subject
+        self.signer = signer_for(cfg.nats)  # signs run.control where the run has keys
+        self.trainer_verifier = verifier_for(cfg.nats, "trainer")
+        self.refused_signatures = 0
         self.creates_durables = True  # an open server; with per-role users the admin makes them (shared/consumers.py)
         self._backlog = 0  # the last reading of the trainer's backlog (see backlog_full)
         self._backlog_read_at = -1.0
@@ -182,8 +186,7 @@ class Controller:
     async def _announce_failure(self, reason: str, every_s: float = 5.0) -> None:
         while not self.nc.is_closed:
             try:
-                await self.nc.publish(self.subjects.run_control, encode(RunControl(event="failed",
-                                                                                   info={"reason": reason})))
+                await self.nc.publish(self.subjects.run_control, self.control(RunControl(event="failed", info={"reason": reason})))
             except Exception as exc:  # NATS restarting: said again at the next tick
                 log.warning("failure_announce_failed", error=repr(exc))
             await asyncio.sleep(every_s)
@@ -200,7 +203,7 @@ class Controller:
         task_ids = await self.fetch_task_ids(self.cfg.controller.env_wait_s)
         planner = Planner(self.cfg.controller.tasks, task_ids, self.cfg.run.seed, self.cfg.controller.lane_lead)
         self.state = "running"
-        await self.nc.publish(self.subjects.run_control, encode(RunControl(event="started", info={
+        await self.nc.publish(self.subjects.run_control, self.control(RunControl(event="started", info={
             "tasks": {t: len(ids) for t, ids in task_ids.items()}, "sync": self.cfg.controller.sync})))
         if self.cfg.controller.sync:
             await self.publish_sync(planner, stop)
@@ -285,6 +288,7 @@ class Controller:
         try:
             kv = await self.js.key_value(self.subjects.policy_kv)
             note = decode((await kv.get(self.subjects.policy_version_key)).value or b"", WeightsAnnouncement)
+            self.trainer_verifier.check(note)  # an entry the trainer did not sign is no version of ours
             self.policy_version = max(self.policy_version, note.version)
         except Exception as exc:  # no version yet: the initial weights (version 0)
             log.debug("policy_version_unread", error=type(exc).__name__)
@@ -333,7 +337,7 @@ class Controller:
             await asyncio.sleep(0.5)
         report = eval_report(self.eval_results, samples)
         self.state = "finished"
-        await self.nc.publish(self.subjects.run_control, encode(RunControl(event="eval_finished", info=report)))
+        await self.nc.publish(self.subjects.run_control, self.control(RunControl(event="eval_finished", info=report)))
         return report
 
     async def _wait_for_capacity(self, stop: asyncio.Event) -> None:
@@ -446,17 +450,24 @@ class Controller:
 
         async def on_weights(msg: Any) -> None:
             try:
-                self.policy_version = max(self.policy_version, decode(msg.data, WeightsAnnouncement).version)
+                note = self.trainer_verifier.check(decode(msg.data, WeightsAnnouncement))
+                self.policy_version = max(self.policy_version, note.version)
             except BadMessage as exc:
                 log.warning("bad_weights_announcement", reason=exc.reason)
+            except SignatureError as exc:
+                await self.refuse_unsigned(msg, exc)
             self._capacity.set()
 
         async def on_finished(msg: Any) -> None:
             try:
-                self.trainer_finished = decode(msg.data, TrainingFinished)
+                finished = self.trainer_verifier.check(decode(msg.data, TrainingFinished))
             except BadMessage as exc:
                 log.warning("bad_training_finished", reason=exc.reason)
                 return
+            except SignatureError as exc:
+                await self.refuse_unsigned(msg, exc)
+                return
+            self.trainer_finished = finished
             log.info("training_finished", step=self.trainer_finished.step,
                      policy_version=self.trainer_finished.policy_version, trainer=self.trainer_finished.replica_id)
             self._capacity.set()
@@ -464,6 +475,17 @@ class Controller:
         await self.nc.subscribe(self.subjects.metrics(">"), cb=on_metrics)
         await self.nc.subscribe(self.subjects.weights_published, cb=on_weights)
         await self.nc.subscribe(self.subjects.training_finished, cb=on_finished)
+
+    def control(self, event: RunControl) -> bytes:
+        """A ``run.control`` message, signed where the run has keys (shared/signing.py)."""
+        return encode(self.signer.sign(event) if self.signer is not None else event)
+
+    async def refuse_unsigned(self, msg: Any, exc: SignatureError) -> None:
+        """A control message without the trainer's signature: counted, dead-lettered, otherwise ignored."""
+        self.refused_signatures += 1
+        log.warning("unsigned_control_refused", subject=msg.subject, reason=str(exc))
+        await dead_letter(self.js, self.subjects, service="controller", origin_subject=msg.subject, reason=str(exc),
+                          payload=msg.data)
 
     async def watch_replicas(self, every_s: float = 2.0) -> None:
         """Keep ``self.replicas`` fresh from the registry's writes (the HTTP handlers never touch NATS)."""
@@ -502,6 +524,7 @@ class Controller:
             "duplicate_trajectories": self.duplicates, "episodes_lost": self.lost, "groups_published": self.groups_published,
             # metrics or heartbeats whose body named another source than their subject (services/controller/sources.py)
             "refused_reports": self.refused_reports + self.registry.refused,
+            "refused_signatures": self.refused_signatures,  # announcements or TrainingFinished not the trainer's
             "uptime_s": round(time.time() - self.started_at, 1), "tasks": tasks,
             "trainer": next(iter(trainer.values()), {}), "replicas": self.replicas,
             "eval_planned": self.eval_planned,

@@ -17,7 +17,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from shared.messages import BadMessage, Heartbeat, MetricsReport, decode
-from shared.subjects import Subjects, user_role
+from shared.subjects import Subjects, role_family
 
 log = structlog.get_logger()
 
@@ -81,7 +81,7 @@ class Replicas:
             beat = decode(data, Heartbeat)
         except BadMessage as exc:
             return self._refuse(subject, exc.reason)
-        if (user_role(beat.role), beat.replica_id) != (role, replica_id):
+        if (role_family(beat.role), beat.replica_id) != (role, replica_id):
             return self._refuse(subject, f"the heartbeat names {beat.role}/{beat.replica_id}")
         self.live[key] = Replica(role=beat.role, replica_id=replica_id, beat=beat, seen_at=time.monotonic())
         return None

@@ -28,7 +28,7 @@ async def main(argv: list[str]) -> None:
         cfg.env.section(task)  # its settings, checked before anything starts
     except ConfigError as exc:
         raise SystemExit(f"python -m services.envs {task}: {exc}") from None
-    replica_id = replica_name(f"env-{task}")
+    replica_id = replica_name(f"env-{task}", cfg.nats)
     log = setup_logging(f"env-{task}", replica_id, cfg.run.log_level, cfg.run.log_format)
     subjects = Subjects(cfg.nats.prefix)
     stop = asyncio.Event()

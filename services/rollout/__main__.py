@@ -32,6 +32,7 @@ from shared.lifecycle import (
 )
 from shared.log import setup_logging
 from shared.model import load_tokenizer, quiet_transformers, resolve_model
+from shared.signing import verifier_for
 from shared.subjects import Subjects
 
 
@@ -56,7 +57,7 @@ class EngineHandoff:
 
 async def main(argv: list[str], handoff: EngineHandoff | None = None) -> None:
     cfg, _ = from_argv(argv)
-    replica_id = replica_name("rollout")
+    replica_id = replica_name("rollout", cfg.nats)
     log = setup_logging("rollout", replica_id, cfg.run.log_level, cfg.run.log_format)
     subjects = Subjects(cfg.nats.prefix)
     stop = asyncio.Event()
@@ -103,6 +104,7 @@ async def main(argv: list[str], handoff: EngineHandoff | None = None) -> None:
         worker = RolloutWorker(nc, js, subjects, cfg.rollout, engine, tokenizer, replica_id, model_path,
                                tasks=list(cfg.controller.tasks))
         worker.creates_durables = manages_topology(cfg.nats, "rollout")
+        worker.trainer_verifier = verifier_for(cfg.nats, "trainer")
         if worker.chat_api is not None:
             stack.push_async_callback(worker.chat_api.close)
         beat_info = {"engine_id": engine_id, "engine": cfg.rollout.engine, "kind": cfg.rollout.engine_kind,

@@ -66,6 +66,7 @@ from shared.messages import (
     encode,
 )
 from shared.model import load_state_file, merge_lora_delta, weights_from_buffer
+from shared.signing import SignatureError, Verifier
 from shared.subjects import Subjects
 
 log = structlog.get_logger()
@@ -124,6 +125,8 @@ class RolloutWorker:
         self._weights_loaded = asyncio.Condition()  # notified after each load (synchronous mode waits on it)
         self._pool_tasks: set[asyncio.Task[None]] = set()
         self.creates_durables = True  # an open server; with per-role users the admin makes them (shared/consumers.py)
+        self.trainer_verifier = Verifier("", subjects.prefix, "trainer")  # an unsigned run; __main__ sets the run's
+        self.refused_signatures = 0
         self.acks = Acker("job_ack")  # confirmed in the background, retried: a stored trajectory's job is acked
 
     # ------------------------------------------------------------------ jobs
@@ -500,6 +503,7 @@ class RolloutWorker:
         between is missed; a slow poll of the key covers writes a NATS restart cut off. No consumer of our
         own on the bucket: nothing a replica could point elsewhere (shared/auth.py)."""
         newest: list[WeightsAnnouncement] = []
+        refused_last: list[bytes] = [b""]  # the poll reads a refused entry again and again: count it once
         fresh = asyncio.Event()
         kv = await self.js.key_value(self.subjects.policy_kv)
 
@@ -507,9 +511,19 @@ class RolloutWorker:
             if not data:
                 return
             try:
-                note = decode(data, WeightsAnnouncement)
+                note = self.trainer_verifier.check(decode(data, WeightsAnnouncement))
             except BadMessage as exc:
                 log.warning("bad_weights_entry", origin=origin, reason=exc.reason)
+                return
+            except SignatureError as exc:  # not the trainer's: counted, dead-lettered (once per entry), never loaded
+                if data != refused_last[0]:
+                    refused_last[0] = data
+                    self.refused_signatures += 1
+                    log.warning("unsigned_weights_refused", origin=origin, reason=str(exc))
+                    letter = asyncio.create_task(dead_letter(self.js, self.subjects, service="rollout", reason=str(exc),
+                                                             origin_subject=self.subjects.policy_entry, payload=data))
+                    self._pool_tasks.add(letter)  # held until done (a bare task may be collected mid-flight)
+                    letter.add_done_callback(self._pool_tasks.discard)
                 return
             if not newest or note.version > newest[0].version:
                 newest[:] = [note]
@@ -605,5 +619,6 @@ class RolloutWorker:
             await publish_metrics(self.nc, self.subjects, "rollout", self.replica_id, version,
                                   {"rollout/episodes_done": float(self.episodes_done),
                                    "rollout/active_episodes": float(self.active),
+                                   "rollout/refused_signatures": float(self.refused_signatures),
                                    **{f"rollout/turns_{k}": float(v) for k, v in self.turn_sources.items()},
                                    **engine})

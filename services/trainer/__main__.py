@@ -20,6 +20,7 @@ from shared.lifecycle import close_connection, exit_code, install_stop, stop_if_
 from shared.log import setup_logging
 from shared.messages import TrainingFinished, encode
 from shared.model import load_model, load_tokenizer, quiet_transformers, resolve_model
+from shared.signing import signer_for, verifier_for
 from shared.subjects import Subjects
 
 
@@ -53,6 +54,7 @@ async def main(argv: list[str]) -> None:
         await declare_topology(js, subjects, cfg.nats, cfg.controller.heartbeat_ttl_s, role="trainer")
         trainer = trainer_cls(nc, js, subjects, cfg.trainer, model, run_dir, replica_id)
         trainer.creates_durables = manages_topology(cfg.nats, "trainer")
+        trainer.signer, trainer.policy_verifier = signer_for(cfg.nats), verifier_for(cfg.nats, "trainer")
         trainer.resume()  # a restarted trainer continues from its newest checkpoint
         await trainer.adopt_announced_version()  # versions only go up, across restarts and trainers
         beat = supervise(lambda: heartbeat_loop(js, subjects, "trainer", replica_id, {"steps": cfg.trainer.steps}),
@@ -61,8 +63,9 @@ async def main(argv: list[str]) -> None:
         log.info("trainer_ready", model=str(model_path), steps=cfg.trainer.steps, min_groups=cfg.trainer.min_groups)
         await trainer.run(stop)
         if trainer.step >= cfg.trainer.steps:  # done, not stopped part-way: say so (the controller ends the plan)
-            await nc.publish(subjects.training_finished, encode(TrainingFinished(
-                step=trainer.step, policy_version=trainer.policy_version, replica_id=replica_id)))
+            finished = TrainingFinished(step=trainer.step, policy_version=trainer.policy_version, replica_id=replica_id)
+            await nc.publish(subjects.training_finished, encode(trainer.signer.sign(finished) if trainer.signer
+                                                                else finished))
             await nc.flush()
         # The final policy as a Hugging Face directory: `--model.name=<run>/model` starts from it.
         await asyncio.to_thread(trainer.export, run_dir / "model")  # full weights (LoRA merged, ZeRO-3 gathered)

@@ -55,6 +55,7 @@ from shared.model import (
     weights_to_bytes,
     weights_to_bytes_of,
 )
+from shared.signing import Signer, Verifier
 from shared.subjects import Subjects
 
 log = structlog.get_logger()
@@ -119,6 +120,8 @@ class Trainer:
                  run_dir: Path, replica_id: str) -> None:
         self.nc, self.js, self.subjects, self.cfg = nc, js, subjects, cfg
         self.run_dir, self.replica_id = run_dir, replica_id
+        self.signer: Signer | None = None  # signs announcements where the run has keys (shared/signing.py)
+        self.policy_verifier: Verifier | None = None  # checks the policy KV's entry read back on a restart
         self.creates_durables = True  # an open server; with per-role users the admin makes them (shared/consumers.py)
         self.lora = cfg.lora_rank > 0
         self.model = add_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets) if self.lora else model
@@ -240,7 +243,8 @@ class Trainer:
         try:
             kv = await self.js.key_value(self.subjects.policy_kv)
             entry = await kv.get(self.subjects.policy_version_key)
-            announced = decode(entry.value or b"", WeightsAnnouncement).version
+            note = decode(entry.value or b"", WeightsAnnouncement)
+            announced = (self.policy_verifier.check(note) if self.policy_verifier else note).version
         except Exception as exc:  # no version yet, or an unreadable entry: our own record still holds
             log.info("no_announced_version", detail=type(exc).__name__)
         highest = max(self.policy_version, self.recorded_version(), announced)
@@ -733,6 +737,8 @@ class Trainer:
         note = WeightsAnnouncement(version=self.policy_version, object_name=name,
                                    digest=await asyncio.to_thread(digest, data), size=len(data),
                                    dtype=self.cfg.broadcast_dtype, format="lora" if self.lora else "full")
+        if self.signer is not None:  # the announcement vouches for the weights: their digest is in what is signed
+            note = self.signer.sign(note)
         kv = await retrying("policy_kv", lambda: self.js.key_value(self.subjects.policy_kv))
         await retrying("policy_kv_put", lambda: kv.put(self.subjects.policy_version_key, encode(note)))
         await self.nc.publish(self.subjects.weights_published, encode(note))

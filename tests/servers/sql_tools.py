@@ -54,6 +54,12 @@ def check_total(answer: str, table: str, ctx: Context) -> float:
 
 
 @server.tool()
+def getenv(name: str) -> str:
+    """An environment variable of this server's process ('' if unset)."""
+    return os.environ.get(name, "")
+
+
+@server.tool()
 def crash() -> str:
     """Kill this server at once."""
     os._exit(3)

@@ -193,7 +193,7 @@ class GymTextEnv(TaskEnv):
         assert isinstance(episode, GymTextEpisode)
         answer = getattr(episode.env, "oracle_action", None)
         if answer is None:
-            raise NotImplementedError(f"{self.name}: a {self.settings.source} env has no scripted expert")
+            raise NotImplementedError(f"{self.name} has no oracle: a {self.settings.source} env has no scripted expert")
         return ToolCall("act", {"action": answer()})
 
     def open(self, task_id: str, split: str, seed: int) -> Episode:

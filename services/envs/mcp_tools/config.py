@@ -13,7 +13,8 @@ class McpToolsConfig:
 
     server_command: list[str] = opt([], "a stdio MCP server: the program and its arguments, started once per "
                                         "episode (its own process is the episode's session)")
-    server_env: dict[str, str] = opt({}, "environment variables added for the stdio server")
+    server_env: dict[str, str] = opt({}, "environment variables for the stdio server, beside the few the MCP SDK "
+                                         "passes on (HOME, PATH, ...: never the replica's own)")
     url: str = opt("", "a streamable-HTTP MCP server (http://host:port/mcp): one MCP session per episode")
     protocol: str = opt("legacy", "legacy: MCP's initialize handshake, one Mcp-Session-Id per episode (what "
                                   "servers keeping per-session state need) | auto: try the sessionless 2026 "

@@ -15,7 +15,6 @@ gives the prompts, a grader the reward.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import structlog
@@ -41,13 +40,15 @@ log = structlog.get_logger()
 def server_target(settings: McpToolsConfig, task: str) -> Any:
     """What ``mcp.Client`` connects to: the URL, or the stdio server's parameters."""
     from mcp import StdioServerParameters
+    from mcp.client.stdio import get_default_environment
 
     if bool(settings.url) == bool(settings.server_command):
         raise ValueError(f"env.{task}: name the MCP server by exactly one of url or server_command")
     if settings.url:
         return settings.url
     command, *args = settings.server_command
-    return StdioServerParameters(command=command, args=args, env={**os.environ, **settings.server_env})
+    # the SDK's own rule: only variables safe to inherit (HOME, PATH, ...), never the replica's credentials
+    return StdioServerParameters(command=command, args=args, env={**get_default_environment(), **settings.server_env})
 
 
 def as_function(tool: Any) -> dict[str, Any]:
@@ -67,6 +68,7 @@ class McpEpisode(Episode):
         self.transcript: list[dict[str, Any]] = []
         self.tool_errors = 0
         self.session = McpSession(env.loop, env.target, self.settings.protocol, self.settings.startup_timeout_s)
+        env.sessions.add(self.session)
         try:
             listed = self.session.list_tools(self.settings.startup_timeout_s)
             for step in task.setup:
@@ -74,7 +76,7 @@ class McpEpisode(Episode):
                 if result.is_error:
                     raise RuntimeError(f"task {task.id}: setup call {step['tool']} failed: {result_text(result)}")
         except BaseException:
-            self.session.close()
+            self.close()
             raise
         hidden = set(self.settings.hide_tools) | env.verifiers
         self._tools = [as_function(t) for t in listed if t.name not in hidden] + [env.answer_schema]
@@ -125,6 +127,7 @@ class McpEpisode(Episode):
 
     def close(self) -> None:
         self.session.close()
+        self.env.sessions.discard(self.session)
 
 
 class McpToolsEnv(TaskEnv):
@@ -143,6 +146,7 @@ class McpToolsEnv(TaskEnv):
                 "answer": {"type": "string", "description": "The final answer."}},
                 "required": ["answer"], "additionalProperties": False}}}
         self.loop = LoopThread(f"mcp-{name}")
+        self.sessions: set[McpSession] = set()  # open ones; any left at close are closed with the replica
         try:
             self._check_server()
         except BaseException:
@@ -185,12 +189,15 @@ class McpToolsEnv(TaskEnv):
         ``jetrl sft``, ``jetrl env-check``). A task graded by a verifier or a function alone has no oracle."""
         assert isinstance(episode, McpEpisode)
         if episode.task.answer is None:
-            raise NotImplementedError(f"task {episode.task.id} has no answer to submit")
+            raise NotImplementedError(f"{self.name} has no oracle for task {episode.task.id}: no answer to submit")
         answer = episode.task.answer
         if episode.task.grader == "regex":
-            raise NotImplementedError(f"task {episode.task.id}: its answer is a pattern, not an answer")
+            raise NotImplementedError(f"{self.name} has no oracle for task {episode.task.id}: its answer is a "
+                                      "pattern")
         return ToolCall(self.settings.answer_tool, {"answer": str(answer)})
 
     def close(self) -> None:
+        for session in list(self.sessions):
+            session.close()
         self.loop.close()
 
