@@ -53,7 +53,7 @@ from jetrl.errors import CliError, run_cli
 from jetrl.export import add_arguments as add_export_arguments
 from jetrl.export import cmd_export
 from jetrl.logfiles import RotatingLog
-from jetrl.outcome import RunOutcome
+from jetrl.outcome import RunOutcome, WaitNotice
 from jetrl.preflight import check_config
 from jetrl.reverify import add_arguments as add_reverify_arguments
 from jetrl.reverify import cmd_reverify
@@ -80,7 +80,7 @@ from shared.log import setup_logging
 from shared.messages import ActionEvent, BadMessage, MetricsReport, ObservationEvent, Trajectory, decode, encode
 from shared.natsd import EmbeddedNats, StoreInUse, check_store_free, die_with_parent
 from shared.progress import Progress, format_duration
-from shared.signing import generate_signing_keys, signing_key_path, verifier_for
+from shared.signing import SIGNERS, generate_signing_keys, new_key_pair, signing_key_path, verifier_for
 from shared.subjects import Subjects
 from shared.tasks import ExternalEnv, TaskSource, find_task
 
@@ -254,6 +254,7 @@ async def _follow_progress(cfg: JetRLConfig, url: str, sup: Supervisor, stop: as
     evaluation = _EvalProgress(sup.run_dir, token=controller_token(cfg.controller)) if main_role == "controller" \
         else None
     url_file, announced = sup.run_dir / "controller.url", False
+    waiting, stepped = WaitNotice(sup.run_dir, controller_token(cfg.controller)), False
     last_report = 0.0
     try:
         while not stop.is_set():
@@ -263,8 +264,11 @@ async def _follow_progress(cfg: JetRLConfig, url: str, sup: Supervisor, stop: as
                       "  (live charts, replicas, trajectories)", flush=True)
             if evaluation is not None:
                 await evaluation.poll()
+            if not stepped:  # a first start may wait minutes for an env to build its data: say so
+                await waiting.poll()
             try:
                 r = await asyncio.wait_for(reports.get(), timeout=1.0)
+                stepped = True
                 tasks = sorted({k.split("/")[1] for k in r.values if k.startswith("task/") and k.endswith("/success")})
                 per_task = "  ".join(f"{t}: success {r.values[f'task/{t}/success']:.2f} "
                                      f"reward {r.values[f'task/{t}/reward']:.2f}" for t in tasks)
@@ -705,8 +709,9 @@ def cmd_topology(args: argparse.Namespace, overrides: list[str]) -> int:
 
 def cmd_secrets(args: argparse.Namespace) -> int:
     """Random secrets for compose: one NATS password per role (JETRL_NATS_<ROLE>_PASSWORD), the cluster's route
-    password (JETRL_NATS_CLUSTER_PASSWORD) and the status API's token (JETRL_CONTROLLER_TOKEN), as an env file
-    compose reads. An existing file is kept."""
+    password (JETRL_NATS_CLUSTER_PASSWORD), the status API's token (JETRL_CONTROLLER_TOKEN) and the trainer's and
+    controller's signing keys (JETRL_<SIGNER>_SIGNING_KEY, _PUBLIC_KEY), as an env file compose reads. An existing
+    file is kept."""
     import secrets
 
     path = Path(args.env)
@@ -717,11 +722,15 @@ def cmd_secrets(args: argparse.Namespace) -> int:
     lines = [f"{password_env_var(role)}={env_password()}" for role in ROLES]
     lines.append(f"{CLUSTER_PASSWORD_ENV}={env_password()}")  # compose/docker-compose.cluster.yml's routes
     lines.append(f"JETRL_CONTROLLER_TOKEN={secrets.token_urlsafe(24)}")
+    for signer in SIGNERS:  # the trainer's and the controller's Ed25519 keys (shared/signing.py)
+        private, public = new_key_pair()
+        lines += [f"JETRL_{signer.upper()}_SIGNING_KEY={private}", f"JETRL_{signer.upper()}_PUBLIC_KEY={public}"]
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as fh:
         fh.write("# JetRL compose secrets (jetrl secrets): keep private, never commit\n" + "\n".join(lines) + "\n")
-    print(f"jetrl secrets: wrote {path} ({len(ROLES)} NATS passwords, the cluster's route password and the status API token)")
+    print(f"jetrl secrets: wrote {path} ({len(ROLES)} NATS passwords, the cluster's route password, the status API "
+          "token and the trainer's and controller's signing keys)")
     return 0
 
 

@@ -120,6 +120,7 @@ class Trainer:
                  run_dir: Path, replica_id: str) -> None:
         self.nc, self.js, self.subjects, self.cfg = nc, js, subjects, cfg
         self.run_dir, self.replica_id = run_dir, replica_id
+        self.published_digests: dict[int, str] = {}  # version -> digest we announced (checked in each turn)
         self.signer: Signer | None = None  # signs announcements where the run has keys (shared/signing.py)
         self.policy_verifier: Verifier | None = None  # checks the policy KV's entry read back on a restart
         self.creates_durables = True  # an open server; with per-role users the admin makes them (shared/consumers.py)
@@ -137,7 +138,7 @@ class Trainer:
         self.vocab_size = _vocab_size(model)
         self.context_tokens = RolloutConfig().max_context_tokens  # the run's rollout.max_context_tokens (__main__)
         self.counters: dict[str, float] = {"train/dead_lettered": 0.0, "train/nonfinite_skipped": 0.0,
-                                           "train/flat_groups": 0.0}
+                                           "train/flat_groups": 0.0, "train/digest_mismatch": 0.0}
         self.flat: list[EpisodeOutcome] = []  # episodes of groups left out since the last step
         self.flat_groups_since_step = 0
         self._step_nonfinite = False
@@ -286,6 +287,12 @@ class Trainer:
             return f"trajectory.loss_mask[{stray}]: a trained token outside every turn span"
         if any(not math.isfinite(x) for x in traj.logprobs) or not math.isfinite(traj.reward):
             return "trajectory: a non-finite logprob or reward"
+        for k, turn in enumerate(traj.turns):  # the weights each turn was played with: the ones we announced?
+            published = self.published_digests.get(turn.policy_version)
+            if published is not None and turn.weights_digest != published:
+                self.counters["train/digest_mismatch"] += 1
+                return (f"trajectory.turns[{k}].weights_digest: {turn.weights_digest or 'none'} is not the digest of "
+                        f"the weights published as version {turn.policy_version}")
         return None
 
     def token_limit(self, task: str) -> int:
@@ -750,6 +757,9 @@ class Trainer:
                                    dtype=self.cfg.broadcast_dtype, format="lora" if self.lora else "full")
         if self.signer is not None:  # the announcement vouches for the weights: their digest is in what is signed
             note = self.signer.sign(note)
+        self.published_digests[note.version] = note.digest  # every turn played with this version must name it
+        for old in sorted(self.published_digests)[:-256]:  # far beyond any staleness bound
+            del self.published_digests[old]
         kv = await retrying("policy_kv", lambda: self.js.key_value(self.subjects.policy_kv))
         await retrying("policy_kv_put", lambda: kv.put(self.subjects.policy_version_key, encode(note)))
         await self.nc.publish(self.subjects.weights_published, encode(note))
