@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import ctypes
 import importlib.util
 import json
 import os
@@ -53,7 +52,8 @@ from jetrl.access import close_status_api, cmd_creds, dashboard_link
 from jetrl.errors import CliError, run_cli
 from jetrl.export import add_arguments as add_export_arguments
 from jetrl.export import cmd_export
-from jetrl.outcome import RunOutcome
+from jetrl.logfiles import RotatingLog
+from jetrl.outcome import RunOutcome, WaitNotice
 from jetrl.preflight import check_config
 from jetrl.reverify import add_arguments as add_reverify_arguments
 from jetrl.reverify import cmd_reverify
@@ -78,24 +78,13 @@ from shared.config import JetRLConfig, describe, load_config, save_config
 from shared.consumers import declare_durables
 from shared.log import setup_logging
 from shared.messages import ActionEvent, BadMessage, MetricsReport, ObservationEvent, Trajectory, decode, encode
-from shared.natsd import EmbeddedNats
+from shared.natsd import EmbeddedNats, StoreInUse, check_store_free, die_with_parent
 from shared.progress import Progress, format_duration
 from shared.signing import SIGNERS, generate_signing_keys, new_key_pair, signing_key_path, verifier_for
 from shared.subjects import Subjects
 from shared.tasks import ExternalEnv, TaskSource, find_task
 
 log = structlog.get_logger()
-
-PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:
-    """Runs in the child before exec: get SIGTERM when the `jetrl up` process goes away."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
-        pass
-
 
 @dataclass
 class Child:
@@ -135,27 +124,32 @@ class Supervisor:
         self.restarts: dict[str, int] = {}
         self.replica_users: dict[str, str] = {}  # service -> its own NATS user (shared.auth.replica_user)
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        self.logs: dict[str, RotatingLog] = {}  # a service's log file, rotated past supervisor.log_max_bytes
 
     def spawn(self, name: str, module_args: list[str], overrides: list[str] | None = None,
               command: list[str] | None = None, environ: dict[str, str] | None = None, cwd: str | None = None) -> None:
         child = self.children.setdefault(name, Child(module_args, list(overrides or []), command, environ, cwd))
-        log = open(self.run_dir / "logs" / f"{name}.log", "ab")
+        log = self.logs.get(name) or RotatingLog(self.run_dir / "logs" / f"{name}.log",
+                                                 self.cfg.supervisor.log_max_bytes, self.cfg.supervisor.log_backups)
+        self.logs[name] = log
         if child.restarts:
             log.write(f"=== jetrl up: restart {child.restarts} of {name} (last exit {child.last_rc}) ===\n".encode())
-            log.flush()
         child.started_at = time.monotonic()
         cmd = child.command or [sys.executable, "-m", *child.module_args, "--config", str(self.config_path),
                                 *child.overrides]
-        env = dict(os.environ, PYTHONUNBUFFERED="1", **(child.environ or {}))
+        # the child reads the effective config the CLI wrote (JETRL__* variables already applied, flags over
+        # them): the same variables again would override the flags a second time, in the child alone
+        env = {k: v for k, v in os.environ.items() if not k.startswith("JETRL__")}
+        env.update(PYTHONUNBUFFERED="1", **(child.environ or {}))
         signer = name if name in ("trainer", "controller") else ""
         if signer and self.cfg.nats.trainer_public_key and self.cfg.nats.auth_dir:  # its private key, for it alone
             env["JETRL__NATS__SIGNING_KEY_FILE"] = str(signing_key_path(self.cfg.nats.auth_dir, signer))
         if name in self.replica_users:  # the environment, not a flag: no command line carries where the secret is
             user = self.replica_users[name]
             env.update(JETRL__NATS__USER=user, JETRL__NATS__PASSWORD_FILE=str(Path(self.cfg.nats.auth_dir) / f"{user}.password"))
-        self.procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=child.cwd,
-                                            start_new_session=True, preexec_fn=_die_with_parent)
-        log.close()
+        self.procs[name] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
+                                            cwd=child.cwd, start_new_session=True, preexec_fn=die_with_parent)
+        log.copy_from(self.procs[name].stdout)  # type: ignore[arg-type]
 
     def dead(self) -> list[tuple[str, int]]:
         return [(n, p.returncode) for n, p in self.procs.items() if p.poll() is not None]
@@ -263,6 +257,7 @@ async def _follow_progress(cfg: JetRLConfig, url: str, sup: Supervisor, stop: as
     evaluation = _EvalProgress(sup.run_dir, token=controller_token(cfg.controller)) if main_role == "controller" \
         else None
     url_file, announced = sup.run_dir / "controller.url", False
+    waiting, stepped = WaitNotice(sup.run_dir, controller_token(cfg.controller)), False
     last_report = 0.0
     try:
         while not stop.is_set():
@@ -272,8 +267,11 @@ async def _follow_progress(cfg: JetRLConfig, url: str, sup: Supervisor, stop: as
                       "  (live charts, replicas, trajectories)", flush=True)
             if evaluation is not None:
                 await evaluation.poll()
+            if not stepped:  # a first start may wait minutes for an env to build its data: say so
+                await waiting.poll()
             try:
                 r = await asyncio.wait_for(reports.get(), timeout=1.0)
+                stepped = True
                 tasks = sorted({k.split("/")[1] for k in r.values if k.startswith("task/") and k.endswith("/success")})
                 per_task = "  ".join(f"{t}: success {r.values[f'task/{t}/success']:.2f} "
                                      f"reward {r.values[f'task/{t}/reward']:.2f}" for t in tasks)
@@ -437,12 +435,21 @@ def cmd_up(args: argparse.Namespace, overrides: list[str], mode: str = "up") -> 
     sources = {task: find_task(task, cfg.env) for task, share in cfg.controller.tasks.items() if share > 0}
     command_dir = str(Path(args.config).resolve().parent) if args.config else os.getcwd()
     run_dir = Path(cfg.run.dir).resolve()
+    try:  # a run still running there (or its orphaned nats-server): neither renamed nor served twice
+        check_store_free(run_dir / "nats")
+    except StoreInUse as exc:
+        raise CliError(str(exc)) from None
     if not getattr(args, "resume", False):
         _keep_earlier_run(run_dir, mode)
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg.run.dir = str(run_dir)
     server = None
     if not cfg.nats.url:
+        server = EmbeddedNats(run_dir / "nats")
+        try:  # held from here to the end of the run, and by the server while it lives
+            server.lock_store()
+        except StoreInUse as exc:
+            raise CliError(str(exc)) from None
         authorization = ""
         if cfg.nats.embedded_auth:  # one user per role and per replica, passwords in <run>/nats/auth (0600): shared/auth.py
             auth_dir = run_dir / "nats" / "auth"
@@ -455,7 +462,7 @@ def cmd_up(args: argparse.Namespace, overrides: list[str], mode: str = "up") -> 
             cfg.nats.trainer_public_key, cfg.nats.controller_public_key = public["trainer"], public["controller"]
             cfg.nats.signing_key = cfg.nats.signing_key_file = ""
             cfg.nats.user = cfg.nats.password = cfg.nats.password_file = cfg.nats.creds_file = ""
-        server = EmbeddedNats(run_dir / "nats", authorization=authorization)
+        server.authorization = authorization
         cfg.nats.url = server.start()
     if cfg.nats.auth_dir:  # role users may not create streams: declare them as admin before any service starts
         try:

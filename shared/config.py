@@ -63,12 +63,18 @@ class NatsConfig:
     signing_key_file: str = opt("", "this service's Ed25519 private key (hex, 0600; the trainer's or the "
                                     "controller's), which signs its control messages")
     signing_key: str = opt("", "the same key given as a value (compose: from the environment)")
-    # bounds of the streams that grow with the run (issue 16): the oldest messages go first
+    # bounds of the streams that grow with the run: the oldest messages go first
     traj_max_age_s: float = opt(7 * 86400.0, "TRAJ keeps trajectories this long")
     traj_max_bytes: int = opt(4 * 1024**3, "TRAJ holds at most this many bytes (-1 = no bound)")
     episodes_max_age_s: float = opt(7 * 86400.0, "EPISODES keeps action/observation events this long")
     episodes_max_bytes: int = opt(4 * 1024**3, "EPISODES holds at most this many bytes (-1 = no bound)")
     dlq_max_bytes: int = opt(1024**3, "DLQ holds at most this many bytes (-1 = no bound)")
+    dlq_max_per_origin: int = opt(1000, "DLQ keeps at most this many letters of each service (dlq.<service>, the "
+                                        "oldest go first): a flood of refusals from one service never pushes out "
+                                        "another's letters (each letter's payload is cut at 64 KiB, so 16 "
+                                        "services fit in the default dlq_max_bytes)")
+    max_consumers: int = opt(512, "most consumers one stream or bucket may have (a client that asks for more is "
+                                  "refused): every consumer costs the server memory and work")
 
 
 @dataclass
@@ -266,6 +272,9 @@ class TrainerConfig:
                                           "so every step trains on groups with signal (DAPO's dynamic sampling; "
                                           "with kl_coef > 0 their KL gradient is left out too)")
     max_staleness: dict[str, int] = opt({}, "task -> most versions a turn may lag ('*' = every task); empty = no bound")
+    max_tokens: dict[str, int] = opt({}, "task -> longest trajectory (tokens) the trainer takes ('*' = every task); a "
+                                         "longer one is dead-lettered, never trained on; unset: "
+                                         "rollout.max_context_tokens, which no trajectory of a rollout exceeds")
     staleness_mode: str = opt("drop", "beyond the bound: drop the trajectory | downweight its tokens")
     staleness_downweight: float = opt(0.5, "token weight of a too-stale trajectory in downweight mode")
     sft_min_reward: float = opt(1.0, "sft: train only on trajectories with at least this reward")
@@ -354,7 +363,7 @@ class ServeConfig:
 
 @dataclass
 class SupervisorConfig:
-    """[supervisor]: how ``jetrl up`` keeps its children alive (issue 16)."""
+    """[supervisor]: how ``jetrl up`` keeps its children alive."""
 
     restart_backoff_s: float = opt(1.0, "wait before restarting a dead service; doubles with each death in a row, "
                                         "up to restart_backoff_max_s")
@@ -364,6 +373,9 @@ class SupervisorConfig:
                                       "log lines")
     crash_window_s: float = opt(180.0, "a death this soon after a start counts towards a crash loop; a service "
                                        "that lived longer starts a new count")
+    log_max_bytes: int = opt(64 * 1024 * 1024, "a service's log under <run>/logs is rotated past this size "
+                                               "(<name>.log.1, ...); 0 = never")
+    log_backups: int = opt(3, "rotated logs kept per service")
 
 
 @dataclass
@@ -403,13 +415,14 @@ def _parse_scalar(raw: str, hint: Any, key: str) -> Any:
         if origin is dict:  # JSON, or "a=1,b=2"
             if raw.strip().startswith("{"):
                 return json.loads(raw)
+            _, value_hint = typing.get_args(hint)  # each value read as the map's value type: int stays int
             pairs = [p.split("=", 1) for p in raw.split(",") if p.strip()]
-            return {k.strip(): float(v) for k, v in pairs}
+            return {k.strip(): _parse_scalar(v.strip(), value_hint, f"{key}.{k.strip()}") for k, v in pairs}
         if origin is list:
             if raw.strip().startswith("["):
                 return json.loads(raw)
             (item,) = typing.get_args(hint)
-            return [item(p.strip()) for p in raw.split(",") if p.strip()]
+            return [_parse_scalar(p.strip(), item, f"{key}[]") for p in raw.split(",") if p.strip()]
     except (ValueError, json.JSONDecodeError):
         raise ConfigError(f"config key {key}: cannot read {raw!r} as {hint}") from None
     raise ConfigError(f"config key {key}: unsupported type {hint}")
@@ -570,7 +583,8 @@ def validate(cfg: JetRLConfig) -> None:
         raise ConfigError("controller.sync needs rollout.cross_policy_prob = 0: turns from the pool's stale "
                           "engines are off-policy by design")
     for key, lanes in (("rollout.task_concurrency", cfg.rollout.task_concurrency),
-                       ("controller.task_max_inflight", cfg.controller.task_max_inflight)):
+                       ("controller.task_max_inflight", cfg.controller.task_max_inflight),
+                       ("trainer.max_tokens", cfg.trainer.max_tokens)):
         unknown = set(lanes) - set(cfg.controller.tasks) - {"*"} if cfg.controller.tasks else set()
         if unknown or any(v < 1 for v in lanes.values()):
             raise ConfigError(f"{key} maps the run's tasks (controller.tasks: {', '.join(cfg.controller.tasks)}; "

@@ -351,8 +351,15 @@ class RolloutWorker:
                 if step.finish:
                     closed = True
                     break
-                buf.add(self.tokenizer.encode(render_observation(step.messages), add_special_tokens=False), None,
-                        trainable=False)
+                observed = self.tokenizer.encode(render_observation(step.messages), add_special_tokens=False)
+                if len(buf.tokens) + len(observed) + job.max_new_tokens > self.cfg.max_context_tokens:
+                    # no room for another turn after it: end here, so that no trajectory is ever longer than
+                    # max_context_tokens (the trainer refuses longer ones: trainer.max_tokens)
+                    status = EpisodeStatus.AGENT_CONTEXT_LIMIT
+                    await env.cancel(opening.replica_id, session_id, reason=status)
+                    closed = True
+                    break
+                buf.add(observed, None, trainable=False)
             else:
                 status = EpisodeStatus.TASK_LIMIT_REACHED
                 await env.cancel(opening.replica_id, session_id, reason=status)
@@ -528,10 +535,8 @@ class RolloutWorker:
                     refused_last[0] = data
                     self.refused_signatures += 1
                     log.warning("unsigned_weights_refused", origin=origin, reason=str(exc))
-                    letter = asyncio.create_task(dead_letter(self.js, self.subjects, service="rollout", reason=str(exc),
-                                                             origin_subject=self.subjects.policy_entry, payload=data))
-                    self._pool_tasks.add(letter)  # held until done (a bare task may be collected mid-flight)
-                    letter.add_done_callback(self._pool_tasks.discard)
+                    supervise(dead_letter(self.js, self.subjects, service="rollout", reason=str(exc),  # held until done
+                                          origin_subject=self.subjects.policy_entry, payload=data), "dead_letter", None)
                 return
             if not newest or note.version > newest[0].version:
                 newest[:] = [note]

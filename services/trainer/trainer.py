@@ -40,7 +40,7 @@ from services.trainer.packing import (
     shareable_length,
 )
 from shared.bus import dead_letter, decode_or_dead_letter, judge_each, publish_metrics, retrying, term_quietly
-from shared.config import TrainerConfig
+from shared.config import RolloutConfig, TrainerConfig
 from shared.consumers import bind_durable, trainer_consumer
 from shared.digest import digest
 from shared.lifecycle import supervise
@@ -136,6 +136,7 @@ class Trainer:
         self.seen_episodes: OrderedDict[str, str] = OrderedDict()
         self.in_step: list[Msg] = []  # the messages of the step being taken (acked after it)
         self.vocab_size = _vocab_size(model)
+        self.context_tokens = RolloutConfig().max_context_tokens  # the run's rollout.max_context_tokens (__main__)
         self.counters: dict[str, float] = {"train/dead_lettered": 0.0, "train/nonfinite_skipped": 0.0,
                                            "train/flat_groups": 0.0, "train/digest_mismatch": 0.0}
         self.flat: list[EpisodeOutcome] = []  # episodes of groups left out since the last step
@@ -262,7 +263,12 @@ class Trainer:
 
     def check(self, traj: Trajectory) -> str | None:
         """What the schema cannot know: token ids inside this model's vocabulary, turn spans in order
-        and covering every trained token (and, again, finite numbers). A reason to refuse it, or None."""
+        and covering every trained token (and, again, finite numbers), no longer than ``token_limit``. A
+        reason to refuse it, or None."""
+        limit = self.token_limit(traj.task)
+        if len(traj.tokens) > limit:  # a step's cost grows with the square of it: 2 x 60k tokens took 189 s
+            return (f"trajectory: {len(traj.tokens)} tokens, more than the {limit} the trainer takes for task "
+                    f"{traj.task!r} (trainer.max_tokens, else rollout.max_context_tokens)")
         if traj.tokens and self.vocab_size is not None and max(traj.tokens) >= self.vocab_size:
             at = next(i for i, t in enumerate(traj.tokens) if t >= self.vocab_size)
             return f"trajectory.tokens[{at}]: token id {traj.tokens[at]} is outside the vocabulary ({self.vocab_size})"
@@ -288,6 +294,11 @@ class Trainer:
                 return (f"trajectory.turns[{k}].weights_digest: {turn.weights_digest or 'none'} is not the digest of "
                         f"the weights published as version {turn.policy_version}")
         return None
+
+    def token_limit(self, task: str) -> int:
+        """The longest trajectory of ``task`` the trainer takes: ``trainer.max_tokens`` for it or for every task
+        (``*``), else the rollout's context limit, which no trajectory a rollout plays exceeds."""
+        return self.cfg.max_tokens.get(task, self.cfg.max_tokens.get("*", self.context_tokens))
 
     async def _refuse(self, msg: Msg, reason: str) -> None:
         """Dead-letter a trajectory we will not train on and terminate it (never redelivered)."""
