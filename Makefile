@@ -73,7 +73,7 @@ test-learning: venv system-deps
 # a node of a 3-node JetStream cluster killed mid-run (issue 18, ~35-70 s): tests/test_cluster.py,
 # figures in docs/benchmarks/cluster.md
 test-faults: venv
-	$(BIN)/python -m pytest -q -ra -m faults tests/test_faults.py tests/test_attacks.py tests/test_cluster.py
+	$(BIN)/python -m pytest -q -ra -m faults tests/test_faults.py tests/test_faults_bounds.py tests/test_attacks.py tests/test_cluster.py
 
 # A warm start built once and cached, then RL on SmolLM2 with per-task success rising step by step
 quickstart: venv

@@ -66,9 +66,13 @@ def bench_agentbench(args: argparse.Namespace) -> None:
             raise SystemExit(f"{AGENTBENCH} is not present: the AgentBench sweep needs ../shared/agentbench")
         train_entries = [str(AGENTBENCH / "train_0317" / "training.json")]
         test_entries = [str(AGENTBENCH / "data" / "dev.json")]
+    if args.backends not in ("bwrap", "docker"):
+        raise SystemExit(f"agentbench: --backends is one backend, bwrap or docker, got {args.backends!r}")
     env = OSEnv(EnvConfig(task="os", num_train_tasks=0, num_test_tasks=0, action_timeout_s=args.action_timeout,
-                          sections={"os": OSTaskConfig(agentbench_train=train_entries, agentbench_test=test_entries)}))
-    env.rootfs("default")
+                          sections={"os": OSTaskConfig(agentbench_train=train_entries, agentbench_test=test_entries,
+                                                       backend=args.backends, docker_prefix=args.docker_prefix)}))
+    if args.backends == "bwrap":
+        env.rootfs("default")
     for task_id, reason in sorted(env.skipped.items()):
         print(f"  skipped {task_id}: {reason}", flush=True)
 
@@ -128,7 +132,7 @@ def bench_agentbench(args: argparse.Namespace) -> None:
         failed = [r[0] for r in results if r[1] < 1.0]
         print(f"\n{split}: {len(ids)} tasks, wall {wall:.0f} s ({args.workers} workers)"
               + (f"; failed: {', '.join(failed)}" if failed else ""))
-    print("\n### AgentBench OS files: init -> gold -> check in the bwrap sandbox\n")
+    print(f"\n### AgentBench OS files: init -> gold -> check in the {args.backends} sandbox\n")
     print("| split | file (id prefix) | tasks | skipped | oracle pass | pass rate | wrong graded right "
           "| median episode s |")
     print("|---|---|---|---|---|---|---|---|")
@@ -279,14 +283,15 @@ def main() -> None:
     parser.add_argument("mode", choices=["agentbench", "generated", "latency", "sessions"])
     parser.add_argument("--workers", type=int, default=8)
     parser.add_argument("--action-timeout", type=float, default=10.0,
-                        help="agentbench: env.action_timeout_s (checks get this less 1 s)")
+                        help="agentbench: env.action_timeout_s (commands get this less 2 s; checks their own bound)")
     parser.add_argument("--train", action="append", help="agentbench: a task file entry (FILE or GLOB[=SCRIPTS]) "
                                                          "for the train split; repeat; default ../shared's training.json")
     parser.add_argument("--test", action="append", help="agentbench: the same for the test split (default dev.json)")
     parser.add_argument("--per-family", type=int, default=30)
     parser.add_argument("--n", type=int, default=50)
     parser.add_argument("--levels", default="8,16,32,64")
-    parser.add_argument("--backends", default="bwrap", help="latency: bwrap, docker, or bwrap,docker side by side")
+    parser.add_argument("--backends", default="bwrap", help="latency: bwrap, docker, or bwrap,docker side by side; "
+                                                              "agentbench: the one backend to run on")
     parser.add_argument("--docker-prefix", default="jetrl-os", help="docker images <prefix>/default, /packages")
     args = parser.parse_args()
     setup_logging("bench-os", "bench", "warning", "console")

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import ctypes
 import importlib.util
 import json
 import os
@@ -53,7 +52,8 @@ from jetrl.access import close_status_api, cmd_creds, dashboard_link
 from jetrl.errors import CliError, run_cli
 from jetrl.export import add_arguments as add_export_arguments
 from jetrl.export import cmd_export
-from jetrl.outcome import RunOutcome
+from jetrl.logfiles import RotatingLog
+from jetrl.outcome import RunOutcome, WaitNotice
 from jetrl.preflight import check_config
 from jetrl.reverify import add_arguments as add_reverify_arguments
 from jetrl.reverify import cmd_reverify
@@ -78,24 +78,13 @@ from shared.config import JetRLConfig, describe, load_config, save_config
 from shared.consumers import declare_durables
 from shared.log import setup_logging
 from shared.messages import ActionEvent, BadMessage, MetricsReport, ObservationEvent, Trajectory, decode, encode
-from shared.natsd import EmbeddedNats
+from shared.natsd import EmbeddedNats, StoreInUse, check_store_free, die_with_parent
 from shared.progress import Progress, format_duration
-from shared.signing import generate_signing_keys, signing_key_path, verifier_for
+from shared.signing import SIGNERS, generate_signing_keys, new_key_pair, signing_key_path, verifier_for
 from shared.subjects import Subjects
 from shared.tasks import ExternalEnv, TaskSource, find_task
 
 log = structlog.get_logger()
-
-PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:
-    """Runs in the child before exec: get SIGTERM when the `jetrl up` process goes away."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
-        pass
-
 
 @dataclass
 class Child:
@@ -135,14 +124,16 @@ class Supervisor:
         self.restarts: dict[str, int] = {}
         self.replica_users: dict[str, str] = {}  # service -> its own NATS user (shared.auth.replica_user)
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        self.logs: dict[str, RotatingLog] = {}  # a service's log file, rotated past supervisor.log_max_bytes
 
     def spawn(self, name: str, module_args: list[str], overrides: list[str] | None = None,
               command: list[str] | None = None, environ: dict[str, str] | None = None, cwd: str | None = None) -> None:
         child = self.children.setdefault(name, Child(module_args, list(overrides or []), command, environ, cwd))
-        log = open(self.run_dir / "logs" / f"{name}.log", "ab")
+        log = self.logs.get(name) or RotatingLog(self.run_dir / "logs" / f"{name}.log",
+                                                 self.cfg.supervisor.log_max_bytes, self.cfg.supervisor.log_backups)
+        self.logs[name] = log
         if child.restarts:
             log.write(f"=== jetrl up: restart {child.restarts} of {name} (last exit {child.last_rc}) ===\n".encode())
-            log.flush()
         child.started_at = time.monotonic()
         cmd = child.command or [sys.executable, "-m", *child.module_args, "--config", str(self.config_path),
                                 *child.overrides]
@@ -153,9 +144,9 @@ class Supervisor:
         if name in self.replica_users:  # the environment, not a flag: no command line carries where the secret is
             user = self.replica_users[name]
             env.update(JETRL__NATS__USER=user, JETRL__NATS__PASSWORD_FILE=str(Path(self.cfg.nats.auth_dir) / f"{user}.password"))
-        self.procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=child.cwd,
-                                            start_new_session=True, preexec_fn=_die_with_parent)
-        log.close()
+        self.procs[name] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
+                                            cwd=child.cwd, start_new_session=True, preexec_fn=die_with_parent)
+        log.copy_from(self.procs[name].stdout)  # type: ignore[arg-type]
 
     def dead(self) -> list[tuple[str, int]]:
         return [(n, p.returncode) for n, p in self.procs.items() if p.poll() is not None]
@@ -263,6 +254,7 @@ async def _follow_progress(cfg: JetRLConfig, url: str, sup: Supervisor, stop: as
     evaluation = _EvalProgress(sup.run_dir, token=controller_token(cfg.controller)) if main_role == "controller" \
         else None
     url_file, announced = sup.run_dir / "controller.url", False
+    waiting, stepped = WaitNotice(sup.run_dir, controller_token(cfg.controller)), False
     last_report = 0.0
     try:
         while not stop.is_set():
@@ -272,8 +264,11 @@ async def _follow_progress(cfg: JetRLConfig, url: str, sup: Supervisor, stop: as
                       "  (live charts, replicas, trajectories)", flush=True)
             if evaluation is not None:
                 await evaluation.poll()
+            if not stepped:  # a first start may wait minutes for an env to build its data: say so
+                await waiting.poll()
             try:
                 r = await asyncio.wait_for(reports.get(), timeout=1.0)
+                stepped = True
                 tasks = sorted({k.split("/")[1] for k in r.values if k.startswith("task/") and k.endswith("/success")})
                 per_task = "  ".join(f"{t}: success {r.values[f'task/{t}/success']:.2f} "
                                      f"reward {r.values[f'task/{t}/reward']:.2f}" for t in tasks)
@@ -437,12 +432,21 @@ def cmd_up(args: argparse.Namespace, overrides: list[str], mode: str = "up") -> 
     sources = {task: find_task(task, cfg.env) for task, share in cfg.controller.tasks.items() if share > 0}
     command_dir = str(Path(args.config).resolve().parent) if args.config else os.getcwd()
     run_dir = Path(cfg.run.dir).resolve()
+    try:  # a run still running there (or its orphaned nats-server): neither renamed nor served twice
+        check_store_free(run_dir / "nats")
+    except StoreInUse as exc:
+        raise CliError(str(exc)) from None
     if not getattr(args, "resume", False):
         _keep_earlier_run(run_dir, mode)
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg.run.dir = str(run_dir)
     server = None
     if not cfg.nats.url:
+        server = EmbeddedNats(run_dir / "nats")
+        try:  # held from here to the end of the run, and by the server while it lives
+            server.lock_store()
+        except StoreInUse as exc:
+            raise CliError(str(exc)) from None
         authorization = ""
         if cfg.nats.embedded_auth:  # one user per role and per replica, passwords in <run>/nats/auth (0600): shared/auth.py
             auth_dir = run_dir / "nats" / "auth"
@@ -455,7 +459,7 @@ def cmd_up(args: argparse.Namespace, overrides: list[str], mode: str = "up") -> 
             cfg.nats.trainer_public_key, cfg.nats.controller_public_key = public["trainer"], public["controller"]
             cfg.nats.signing_key = cfg.nats.signing_key_file = ""
             cfg.nats.user = cfg.nats.password = cfg.nats.password_file = cfg.nats.creds_file = ""
-        server = EmbeddedNats(run_dir / "nats", authorization=authorization)
+        server.authorization = authorization
         cfg.nats.url = server.start()
     if cfg.nats.auth_dir:  # role users may not create streams: declare them as admin before any service starts
         try:
@@ -705,8 +709,9 @@ def cmd_topology(args: argparse.Namespace, overrides: list[str]) -> int:
 
 def cmd_secrets(args: argparse.Namespace) -> int:
     """Random secrets for compose: one NATS password per role (JETRL_NATS_<ROLE>_PASSWORD), the cluster's route
-    password (JETRL_NATS_CLUSTER_PASSWORD) and the status API's token (JETRL_CONTROLLER_TOKEN), as an env file
-    compose reads. An existing file is kept."""
+    password (JETRL_NATS_CLUSTER_PASSWORD), the status API's token (JETRL_CONTROLLER_TOKEN) and the trainer's and
+    controller's signing keys (JETRL_<SIGNER>_SIGNING_KEY, _PUBLIC_KEY), as an env file compose reads. An existing
+    file is kept."""
     import secrets
 
     path = Path(args.env)
@@ -717,11 +722,15 @@ def cmd_secrets(args: argparse.Namespace) -> int:
     lines = [f"{password_env_var(role)}={env_password()}" for role in ROLES]
     lines.append(f"{CLUSTER_PASSWORD_ENV}={env_password()}")  # compose/docker-compose.cluster.yml's routes
     lines.append(f"JETRL_CONTROLLER_TOKEN={secrets.token_urlsafe(24)}")
+    for signer in SIGNERS:  # the trainer's and the controller's Ed25519 keys (shared/signing.py)
+        private, public = new_key_pair()
+        lines += [f"JETRL_{signer.upper()}_SIGNING_KEY={private}", f"JETRL_{signer.upper()}_PUBLIC_KEY={public}"]
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as fh:
         fh.write("# JetRL compose secrets (jetrl secrets): keep private, never commit\n" + "\n".join(lines) + "\n")
-    print(f"jetrl secrets: wrote {path} ({len(ROLES)} NATS passwords, the cluster's route password and the status API token)")
+    print(f"jetrl secrets: wrote {path} ({len(ROLES)} NATS passwords, the cluster's route password, the status API "
+          "token and the trainer's and controller's signing keys)")
     return 0
 
 

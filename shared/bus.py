@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import os
 import socket
 import ssl
@@ -49,6 +50,8 @@ from shared.subjects import Subjects, role_family
 log = structlog.get_logger()
 
 DAY_S = 24 * 3600.0
+DEAD_LETTER_PAYLOAD_BYTES = 64 * 1024
+"""A dead letter keeps this much of the message it refused (``nats.dlq_max_per_origin`` letters a service)."""
 
 # When each client last got its connection back (see ``since_reconnect``).
 _RECONNECTED_AT: weakref.WeakKeyDictionary[Client, float] = weakref.WeakKeyDictionary()
@@ -262,20 +265,21 @@ async def declare_topology(js: JetStreamContext, subjects: Subjects, cfg: NatsCo
         await wait_for_topology(js, subjects, wait_s)
         return
     replicas = cfg.stream_replicas
+    bound = cfg.max_consumers
     await _ensure_stream(js, StreamConfig(
-        name=subjects.jobs_stream, subjects=[subjects.jobs(">")], retention=RetentionPolicy.WORK_QUEUE,
+        name=subjects.jobs_stream, max_consumers=bound, subjects=[subjects.jobs(">")], retention=RetentionPolicy.WORK_QUEUE,
         storage=StorageType.FILE, max_age=DAY_S, num_replicas=replicas,
         description="episode assignments, one durable consumer shared by all rollout replicas",
     ))
     await _ensure_stream(js, StreamConfig(
-        name=subjects.episodes_stream, subjects=subjects.episode_stream_subjects,
+        name=subjects.episodes_stream, subjects=subjects.episode_stream_subjects, max_consumers=bound,
         retention=RetentionPolicy.LIMITS, storage=StorageType.FILE, max_age=cfg.episodes_max_age_s,
         max_bytes=cfg.episodes_max_bytes, discard=DiscardPolicy.OLD, num_replicas=replicas,
         duplicate_window=120.0,  # an event resent across a reconnect carries the same Nats-Msg-Id
         description="every action and observation of every episode, in order",
     ))
     await _ensure_stream(js, StreamConfig(
-        name=subjects.traj_stream, subjects=[subjects.traj(">")], retention=RetentionPolicy.LIMITS,
+        name=subjects.traj_stream, subjects=[subjects.traj(">")], retention=RetentionPolicy.LIMITS, max_consumers=bound,
         storage=StorageType.FILE, max_age=cfg.traj_max_age_s, max_bytes=cfg.traj_max_bytes, discard=DiscardPolicy.OLD,
         duplicate_window=3600.0, max_msg_size=MAX_MESSAGE_BYTES, num_replicas=replicas,
         description="finished trajectories, deduplicated by episode id (Nats-Msg-Id)",
@@ -283,7 +287,8 @@ async def declare_topology(js: JetStreamContext, subjects: Subjects, cfg: NatsCo
     await _ensure_stream(js, StreamConfig(
         name=subjects.dlq_stream, subjects=[subjects.dead_letter(">")], retention=RetentionPolicy.LIMITS,
         storage=StorageType.FILE, max_age=7 * DAY_S, max_bytes=cfg.dlq_max_bytes, discard=DiscardPolicy.OLD,
-        num_replicas=replicas, description="messages a service could not accept, with the reason",
+        max_msgs_per_subject=cfg.dlq_max_per_origin, max_consumers=bound, num_replicas=replicas,
+        description="messages a service could not accept, with the reason; a bound per service (dlq.<service>)",
     ))
     for kv_config in (
         KeyValueConfig(bucket=subjects.policy_kv, history=16, replicas=replicas,
@@ -295,11 +300,21 @@ async def declare_topology(js: JetStreamContext, subjects: Subjects, cfg: NatsCo
             await js.key_value(kv_config.bucket)
         except Exception:
             await js.create_key_value(kv_config)
+        await _bound_consumers(js, f"KV_{kv_config.bucket}", bound)
     try:
         await js.object_store(subjects.weights_bucket)
     except Exception:
         await js.create_object_store(subjects.weights_bucket, ObjectStoreConfig(
             description="policy weights, one safetensors object per version", replicas=replicas))
+    await _bound_consumers(js, Subjects.object_stream(subjects.weights_bucket), bound)
+
+
+async def _bound_consumers(js: JetStreamContext, stream: str, bound: int) -> None:
+    """A bucket's stream is made by nats-py without a bound on its consumers (every ``keys()`` and watch
+    makes one): set it on the stream."""
+    config = (await js.stream_info(stream)).config
+    if config.max_consumers != bound:
+        await js.update_stream(dataclasses.replace(config, max_consumers=bound))
 
 
 async def wait_for_topology(js: JetStreamContext, subjects: Subjects, wait_s: float = 120.0) -> None:
@@ -331,9 +346,11 @@ async def weights_store(js: JetStreamContext, subjects: Subjects) -> ObjectStore
 async def dead_letter(js: JetStreamContext, subjects: Subjects, *, service: str, origin_subject: str,
                       reason: str, payload: bytes) -> None:
     """Keep a message we could not accept, with why. Never raises: a DLQ failure is only logged."""
-    log.warning("dead_letter", origin_subject=origin_subject, reason=reason, size=len(payload))
-    letter = DeadLetter(origin_subject=origin_subject, reason=reason, payload=payload[:MAX_MESSAGE_BYTES // 2],
-                        service=service)
+    log.warning("dead_letter", origin_subject=origin_subject, reason=reason[:500], size=len(payload))
+    if len(payload) > DEAD_LETTER_PAYLOAD_BYTES:  # the DLQ's bound is per service in letters: keep letters small
+        reason = f"{reason} (payload: its first {DEAD_LETTER_PAYLOAD_BYTES} of {len(payload)} bytes)"
+    letter = DeadLetter(origin_subject=origin_subject, reason=reason[:4096],
+                        payload=payload[:DEAD_LETTER_PAYLOAD_BYTES], service=service)
     try:
         await js.publish(subjects.dead_letter(service), encode(letter))
     except Exception as exc:  # the broker may be down; the log line above is the record then

@@ -69,6 +69,12 @@ class NatsConfig:
     episodes_max_age_s: float = opt(7 * 86400.0, "EPISODES keeps action/observation events this long")
     episodes_max_bytes: int = opt(4 * 1024**3, "EPISODES holds at most this many bytes (-1 = no bound)")
     dlq_max_bytes: int = opt(1024**3, "DLQ holds at most this many bytes (-1 = no bound)")
+    dlq_max_per_origin: int = opt(1000, "DLQ keeps at most this many letters of each service (dlq.<service>, the "
+                                        "oldest go first): a flood of refusals from one service never pushes out "
+                                        "another's letters (each letter's payload is cut at 64 KiB, so 16 "
+                                        "services fit in the default dlq_max_bytes)")
+    max_consumers: int = opt(512, "most consumers one stream or bucket may have (a client that asks for more is "
+                                  "refused): every consumer costs the server memory and work")
 
 
 @dataclass
@@ -266,6 +272,9 @@ class TrainerConfig:
                                           "so every step trains on groups with signal (DAPO's dynamic sampling; "
                                           "with kl_coef > 0 their KL gradient is left out too)")
     max_staleness: dict[str, int] = opt({}, "task -> most versions a turn may lag ('*' = every task); empty = no bound")
+    max_tokens: dict[str, int] = opt({}, "task -> longest trajectory (tokens) the trainer takes ('*' = every task); a "
+                                         "longer one is dead-lettered, never trained on; unset: "
+                                         "rollout.max_context_tokens, which no trajectory of a rollout exceeds")
     staleness_mode: str = opt("drop", "beyond the bound: drop the trajectory | downweight its tokens")
     staleness_downweight: float = opt(0.5, "token weight of a too-stale trajectory in downweight mode")
     sft_min_reward: float = opt(1.0, "sft: train only on trajectories with at least this reward")
@@ -372,6 +381,9 @@ class SupervisorConfig:
                                       "log lines")
     crash_window_s: float = opt(180.0, "a death this soon after a start counts towards a crash loop; a service "
                                        "that lived longer starts a new count")
+    log_max_bytes: int = opt(64 * 1024 * 1024, "a service's log under <run>/logs is rotated past this size "
+                                               "(<name>.log.1, ...); 0 = never")
+    log_backups: int = opt(3, "rotated logs kept per service")
 
 
 @dataclass
@@ -585,7 +597,8 @@ def validate(cfg: JetRLConfig) -> None:
         raise ConfigError("controller.sync needs rollout.cross_policy_prob = 0: turns from the pool's stale "
                           "engines are off-policy by design")
     for key, lanes in (("rollout.task_concurrency", cfg.rollout.task_concurrency),
-                       ("controller.task_max_inflight", cfg.controller.task_max_inflight)):
+                       ("controller.task_max_inflight", cfg.controller.task_max_inflight),
+                       ("trainer.max_tokens", cfg.trainer.max_tokens)):
         unknown = set(lanes) - set(cfg.controller.tasks) - {"*"} if cfg.controller.tasks else set()
         if unknown or any(v < 1 for v in lanes.values()):
             raise ConfigError(f"{key} maps the run's tasks (controller.tasks: {', '.join(cfg.controller.tasks)}; "

@@ -8,6 +8,12 @@ import sys
 import structlog
 
 
+def _stderr_logger(*_: object) -> structlog.PrintLogger:
+    """A logger on ``sys.stderr`` as it is when a line is written, not as it was at set-up (a caller that
+    configured logging under a replaced, since closed, stderr, e.g. a CLI run inside a test, breaks nothing)."""
+    return structlog.PrintLogger(sys.stderr)
+
+
 def setup_logging(role: str, replica_id: str = "", level: str = "info", fmt: str = "console") -> structlog.BoundLogger:
     """Configure structlog once per process and return a logger bound to this role and replica."""
     renderer: structlog.types.Processor
@@ -25,7 +31,7 @@ def setup_logging(role: str, replica_id: str = "", level: str = "info", fmt: str
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level.upper(), logging.INFO)),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=_stderr_logger,
         cache_logger_on_first_use=False,
     )
     structlog.contextvars.bind_contextvars(role=role, replica_id=replica_id)

@@ -278,6 +278,10 @@ class TurnInfo(msgspec.Struct, kw_only=True):
     end: int
     engine_id: str
     policy_version: int
+    weights_digest: str = ""
+    """The digest (``WeightsAnnouncement.digest``) of the weights the engine held for this turn, which the trainer
+    checks against the one it signed for ``policy_version``; empty for the initial weights (version 0), the
+    oracle's and an API model's turns."""
 
 
 class Trajectory(Message, tag="trajectory", kw_only=True):
@@ -348,6 +352,8 @@ class GenerateReply(Message, tag="generate_reply", kw_only=True):
     finish_reason: str
     engine_id: str
     policy_version: int
+    weights_digest: str = ""
+    """The digest of the weights that engine held (``TurnInfo.weights_digest``)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()

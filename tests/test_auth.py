@@ -178,6 +178,11 @@ def test_compose_connects_every_service_as_its_role_and_exposes_nothing_open() -
         assert env["JETRL__NATS__USER"] == ROLE_OF_SERVICE.get(name, "env"), name
         role = env["JETRL__NATS__USER"]
         assert env["JETRL__NATS__PASSWORD"].startswith(f"${{JETRL_NATS_{role.upper()}_PASSWORD:?"), name
+        for signer in ("TRAINER", "CONTROLLER"):  # every role checks the signers' control messages
+            assert env[f"JETRL__NATS__{signer}_PUBLIC_KEY"].startswith(f"${{JETRL_{signer}_PUBLIC_KEY:?"), name
+        signs = role if role in ("trainer", "controller") else None  # and only a signer holds its private key
+        assert env.get("JETRL__NATS__SIGNING_KEY", "").startswith(f"${{JETRL_{(signs or 'none').upper()}_SIGNING_KEY:?") \
+            == bool(signs), name
     assert services["controller"]["ports"] == ["127.0.0.1:8000:8000"]
     assert services["controller"]["environment"]["JETRL__CONTROLLER__HTTP_TOKEN"].startswith("${JETRL_CONTROLLER_TOKEN:?")
 

@@ -164,6 +164,11 @@ def test_cluster_profile_runs_three_authenticated_nats_nodes_with_r3_streams(tmp
     env_file = tmp_path / ".env"
     assert jetrl_main(["secrets", "--env", str(env_file)]) == 0
     assert f"\n{CLUSTER_PASSWORD_ENV}=" in env_file.read_text()
+    written = dict(line.split("=", 1) for line in env_file.read_text().splitlines() if "=" in line)
+    from shared.messages import RunControl
+    from shared.signing import Signer, Verifier
+    signed = Signer(written["JETRL_CONTROLLER_SIGNING_KEY"], "jetrl").sign(RunControl(event="started"))
+    assert Verifier(written["JETRL_CONTROLLER_PUBLIC_KEY"], "jetrl", "controller").check(signed) == signed
 
 
 def test_cluster_local_profile_gives_each_node_its_own_loopback_ports() -> None:

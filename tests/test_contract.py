@@ -169,8 +169,8 @@ REQUIRED = {cls: {f.name: SMALLEST[_plain(f.type)] for f in msgspec.structs.fiel
 def test_wire_compatible_with_the_legacy_codec() -> None:
     """Bytes from the codec before issue 21 decode with this one and the other way round; both write
     the same bytes (bench/bench_codec.py holds the legacy codec verbatim), except the fields added since
-    (a trajectory's ``level``, ``task_kind``, ``messages`` and ``tools``, a job's ``policy_version``), which old
-    readers skip as unknown."""
+    (a trajectory's ``level``, ``task_kind``, ``messages`` and ``tools``, its turns' ``weights_digest``, a job's
+    ``policy_version``), which old readers skip as unknown."""
     legacy = importlib.import_module("bench.bench_codec")
     turns = [dict(start=2, end=4, engine_id="hf-a", policy_version=3)]
     fields = dict(episode_id="e1", group_id="g1", task="db", task_id="t1", split="train", group_size=2,
@@ -186,7 +186,8 @@ def test_wire_compatible_with_the_legacy_codec() -> None:
         (EnvStep(finish=False, reward=1, status="running", messages=[{"role": "tool", "content": "ok"}]),
          legacy.LegacyEnvStep(finish=False, reward=1, status="running", messages=[{"role": "tool", "content": "ok"}])),
     ]
-    added = {"trajectory": {"level": 0, "task_kind": "", "messages": [], "tools": []},
+    added = {"trajectory": {"level": 0, "task_kind": "", "messages": [], "tools": [],
+                            "turns": [dict(t, weights_digest="") for t in turns]},
              "episode_job": {"policy_version": -1}}
     for new, old in pairs:
         new_body, old_body = msgpack.unpackb(encode(new)), msgpack.unpackb(legacy.legacy_encode(old))

@@ -22,7 +22,7 @@ import sys
 import time
 import urllib.request
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -59,7 +59,8 @@ async def served(app: Any) -> AsyncIterator[httpx.AsyncClient]:
     with the controller's client, so they must run on the loop that client belongs to)."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+    # a browser's keep-alive connections must not hold the shutdown: at most 5 s for them
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=5))
     task = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started:
         await asyncio.sleep(0.05)
@@ -216,9 +217,11 @@ async def test_panels_in_a_browser_show_what_was_trained_and_why_the_run_failed(
             await asyncio.sleep(0.1)
             if controller.finished and controller.board.trainer_rows and controller.replicas:
                 break
-        async with served(create_app(controller, "tok")) as client, playwright_api.async_playwright() as pw:
-            browser = await pw.chromium.launch(executable_path=browser_path, headless=True,
+        async with served(create_app(controller, "tok")) as client, playwright_api.async_playwright() as pw, \
+                AsyncExitStack() as stack:
+            browser = await pw.chromium.launch(executable_path=browser_path, headless=True, timeout=60000,
                                                args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"])
+            stack.push_async_callback(browser.close)
             page = await browser.new_page(viewport={"width": 1400, "height": 1200})
             errors: list[str] = []
             page.on("pageerror", lambda exc: errors.append(str(exc)))
@@ -239,7 +242,6 @@ async def test_panels_in_a_browser_show_what_was_trained_and_why_the_run_failed(
                                               "r => [...r.cells].map(c => c.innerText)")
             assert row[-1] == "building, kg test questions 43 %", row
             assert not errors, errors
-            await browser.close()
     finally:
         for job in jobs:
             job.cancel()

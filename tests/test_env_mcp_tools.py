@@ -101,7 +101,7 @@ def test_stdio_tools_as_listed_a_verifier_tool_grades(tasks_file: str, monkeypat
         assert env.task_ids("test") == ["held-out"] and env.task_level("total", "train").kind == "sum"
         ep = env.open("total", "train", 0)
         names = [t["function"]["name"] for t in ep.tools]
-        assert names == ["execute_sql", "list_tables", "getenv", "crash", "submit_answer"]  # the verifier is hidden
+        assert names == ["execute_sql", "list_tables", "getenv", "wait", "crash", "submit_answer"]  # the verifier is hidden
         sql = ep.tools[0]["function"]
         assert sql["description"] == "Run one SQL statement on this session's database and return its rows."
         assert sql["parameters"]["properties"]["query"]["type"] == "string" and sql["parameters"]["required"] == ["query"]
@@ -189,6 +189,10 @@ def test_a_server_that_dies_mid_episode_ends_it_without_a_hang(tasks_file: str, 
     env = McpToolsEnv(McpToolsConfig(url=url, tasks_file=tasks_file, call_timeout_s=3.0), name="sql")
     try:
         ep = env.open("count", "train", 0)
+        started = time.monotonic()
+        with pytest.raises(TimeoutError, match="within 3s"):  # the host's env_timeout
+            ep.call(call("wait", seconds=30))
+        assert time.monotonic() - started < 5
         proc.kill()
         proc.wait()
         started = time.monotonic()

@@ -112,3 +112,19 @@ def test_jetrl_up_prints_a_failed_run_in_one_line_and_exits_non_zero(tmp_path: P
     assert len(failed) == 1, proc.stderr
     assert "env service for task 'db' did not answer within 1s (controller.env_wait_s)" in failed[0]
     assert "Traceback" not in proc.stderr and took < 150, (took, proc.stderr)
+
+
+async def test_jetrl_up_says_what_the_run_waits_for(nc, config, subjects, tmp_path, capsys) -> None:
+    """Before the first step, `jetrl up` prints the controller's state while it waits for a building env."""
+    from jetrl.outcome import WaitNotice
+    from services.controller.api import create_app
+    from tests.test_dashboard import served
+
+    controller = Controller(nc, nc.jetstream(), subjects, config, "controller-test")
+    async with served(create_app(controller, "tok")) as client:
+        (tmp_path / "controller.url").write_text(f"{client.base_url}\n")
+        notice = WaitNotice(tmp_path, "tok", every_s=0.0)
+        assert await notice.poll() is None  # "starting": nothing to say
+        controller.state = "waiting for env kg: building, kg test questions 43 %"
+        assert await notice.poll() == controller.state
+    assert capsys.readouterr().out.splitlines() == ["jetrl: waiting for env kg: building, kg test questions 43 %"]

@@ -24,7 +24,7 @@ from services.rollout.openai_client import history_after_turn
 from shared.bus import connect
 from shared.chat import parse_assistant, render_chat, render_observation, render_opening, render_tool_call
 from shared.digest import digest
-from shared.messages import WeightsAnnouncement, encode
+from shared.messages import Heartbeat, TrainingFinished, WeightsAnnouncement, decode, encode
 from shared.model import (
     GGUF_FILE,
     _smollm2_dir,
@@ -163,6 +163,78 @@ async def test_openai_client_talks_to_jetrl_serve_which_follows_weight_broadcast
                                                  temperature=0, max_tokens=12)
     assert after.system_fingerprint == "jetrl-policy-v1"
     assert after.choices[0].message.content != choice.message.content  # other weights, another answer
+
+
+async def test_jetrl_serve_implements_or_refuses_each_parameter_and_knows_when_its_run_ended(served, config) -> None:
+    """logprobs, tool_choice required / a named function, stop strings in the usage, stream usage, a 400 naming
+    each parameter it would otherwise ignore; its own role in the registry; /health after the run's end."""
+    client = openai.AsyncOpenAI(base_url=served.url, api_key="unused", max_retries=0)
+    ask = [{"role": "system", "content": "You are a DB agent."}, {"role": "user", "content": "How many rows in t?"}]
+    tok = load_tokenizer(resolve_model(config.model))
+    plain = await client.chat.completions.create(model="tiny-policy", messages=ask, temperature=0, max_tokens=12,
+                                                 logprobs=True)
+    tokens = plain.choices[0].logprobs.content
+    assert len(tokens) == plain.usage.completion_tokens and all(t.logprob <= 0 for t in tokens)
+    assert all(bytes(t.bytes).decode() == t.token for t in tokens)
+    text = plain.choices[0].message.content
+    assert "".join(t.token for t in tokens).startswith(text)
+    # a stop string ends the text and the usage where it begins: the tokens it takes to write what is kept
+    stop = text[len(text) // 2:len(text) // 2 + 2]
+    cut = await client.chat.completions.create(model="tiny-policy", messages=ask, temperature=0, max_tokens=12,
+                                               stop=stop, logprobs=True)
+    kept = cut.choices[0].message.content
+    assert kept == text[:text.find(stop)] and cut.choices[0].finish_reason == "stop"
+    assert cut.usage.completion_tokens < plain.usage.completion_tokens
+    assert cut.usage.completion_tokens == len(cut.choices[0].logprobs.content)
+    assert len(tok.decode([tok.convert_tokens_to_ids(t.token) for t in cut.choices[0].logprobs.content])) >= len(kept)
+
+    # tool_choice: the answer starts as that call (prefilled), the model writes the rest
+    named = {"type": "function", "function": {"name": "execute_sql"}}
+    for choice, start in ((named, '<tool_call>\n{"name": "execute_sql", "arguments": '),
+                          ("required", '<tool_call>\n{"name": "')):
+        r = await client.chat.completions.create(model="tiny-policy", messages=ask, tools=TOOLS, tool_choice=choice,
+                                                 temperature=0, max_tokens=16)
+        message = r.choices[0].message
+        assert r.usage.prompt_tokens == len(tok.encode(render_chat(ask, TOOLS) + start, add_special_tokens=False))
+        if message.tool_calls:  # a well-formed call: of the function asked for
+            assert choice == "required" or message.tool_calls[0].function.name == "execute_sql"
+        else:  # the untrained model broke the arguments: what it wrote, after the prefilled start
+            assert message.content.startswith(start), message.content
+    with pytest.raises(openai.BadRequestError, match="not among the tools"):
+        await client.chat.completions.create(model="tiny-policy", messages=ask, tools=TOOLS,
+                                             tool_choice={"type": "function", "function": {"name": "rm_rf"}})
+
+    chunks = [c async for c in await client.chat.completions.create(
+        model="tiny-policy", messages=ask, temperature=0, max_tokens=12, stream=True,
+        stream_options={"include_usage": True})]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
+    # what it does not implement is refused, by name; the neutral values pass
+    for extra, name in (({"seed": 7}, "seed"), ({"response_format": {"type": "json_object"}}, "response_format"),
+                        ({"top_p": 0.5}, "top_p"), ({"logprobs": True, "top_logprobs": 3}, "top_logprobs"),
+                        ({"frequency_penalty": 1.0, "presence_penalty": 0.5}, "frequency_penalty, presence_penalty")):
+        with pytest.raises(openai.BadRequestError, match=f"unsupported parameters?: {name}"):
+            await client.chat.completions.create(model="tiny-policy", messages=ask, max_tokens=2, **extra)
+    ok = await client.chat.completions.create(model="tiny-policy", messages=ask, max_tokens=2, top_p=1,
+                                              response_format={"type": "text"}, parallel_tool_calls=True)
+    assert ok.choices
+
+    config.nats.prefix = served.prefix
+    subjects = Subjects(served.prefix)
+    nc = await connect(config.nats, "pytest-serve-end")
+    kv = await nc.jetstream().key_value(subjects.registry_kv)
+    roles = {decode((await kv.get(key)).value, Heartbeat).role for key in await kv.keys()}
+    assert roles == {"rollout-serve"}  # not a rollout replica: it plays no episodes
+    health = f"{served.url.rsplit('/v1', 1)[0]}/health"
+    assert json.load(urllib.request.urlopen(health, timeout=5))["status"] == "ok"
+    await nc.publish(subjects.training_finished, encode(TrainingFinished(step=40, policy_version=40,
+                                                                         replica_id="trainer-x")))
+    await nc.close()
+    for _ in range(50):
+        answer = json.load(urllib.request.urlopen(health, timeout=5))
+        if answer["status"] != "ok":
+            break
+        await asyncio.sleep(0.1)
+    assert answer["status"] == "run_ended" and answer["run_ended"]["step"] == 40
 
 
 def test_the_api_conversation_answers_every_call_it_keeps() -> None:

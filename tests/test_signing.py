@@ -14,10 +14,20 @@ import pytest
 
 from jetrl.outcome import RunOutcome
 from services.controller.controller import Controller
+from services.rollout.engine import Generation
 from services.rollout.worker import RolloutWorker
 from services.trainer.trainer import Trainer
 from shared.config import ModelConfig
-from shared.messages import DeadLetter, RunControl, TrainingFinished, WeightsAnnouncement, decode, encode
+from shared.messages import (
+    DeadLetter,
+    RunControl,
+    TrainingFinished,
+    Trajectory,
+    TurnInfo,
+    WeightsAnnouncement,
+    decode,
+    encode,
+)
 from shared.model import load_model, load_tokenizer, quiet_transformers, resolve_model
 from shared.signing import (
     SignatureError,
@@ -130,3 +140,32 @@ async def test_a_rollout_loads_the_trainers_signed_weights_and_refuses_a_forged_
     letters = await js.pull_subscribe(subjects.dead_letter("rollout"), stream=subjects.dlq_stream)
     letter = decode((await letters.fetch(1, timeout=2))[0].data, DeadLetter)
     assert "unsigned weights" in letter.reason and letter.origin_subject == subjects.policy_entry
+
+
+async def test_the_trainer_refuses_a_turn_that_names_other_weights_than_it_published(
+        nc, config, subjects, model_path, tmp_path) -> None:
+    js = nc.jetstream()
+    trainer = Trainer(nc, js, subjects, config.trainer, load_model(model_path), tmp_path / "trainer", "trainer-test")
+    trainer.policy_version = 1
+    await trainer.publish_weights()
+    digest = trainer.published_digests[1]
+    kv = await js.key_value(subjects.policy_kv)
+    assert decode((await kv.get(subjects.policy_version_key)).value, WeightsAnnouncement).digest == digest
+
+    def played(version: int, weights_digest: str) -> Trajectory:
+        return Trajectory(episode_id="e", group_id="g", task="db", task_id="t", split="train", group_size=1,
+                          tokens=[1, 2, 3], logprobs=[0.0, -0.5, -0.1], loss_mask=[0, 1, 1], prompt_len=1,
+                          turns=[TurnInfo(start=1, end=3, policy_version=version, engine_id="e",
+                                          weights_digest=weights_digest)], reward=1.0, status="completed",
+                          replica_id="r")
+
+    assert trainer.check(played(1, digest)) is None and trainer.check(played(0, "")) is None
+    for wrong in ("", "blake3:" + "0" * 64):  # none named, or weights the trainer never published as version 1
+        assert "is not the digest of the weights published as version 1" in trainer.check(played(1, wrong))
+    assert trainer.counters["train/digest_mismatch"] == 2
+    # the rollout side: its engine's turns name the digest of the version it loaded
+    config.rollout.engine = "oracle"
+    worker = RolloutWorker(nc, js, subjects, config.rollout, None, load_tokenizer(model_path), "rollout-test")
+    worker.weights_digests[1] = digest
+    assert worker.with_digest(Generation([5], [-0.1], "stop", "e", 1)).weights_digest == digest
+    assert worker.with_digest(Generation([5], [-0.1], "stop", "e", 0)).weights_digest == ""

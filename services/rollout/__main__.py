@@ -31,8 +31,9 @@ from shared.lifecycle import (
     supervise,
 )
 from shared.log import setup_logging
+from shared.messages import BadMessage, TrainingFinished, decode
 from shared.model import load_tokenizer, quiet_transformers, resolve_model
-from shared.signing import verifier_for
+from shared.signing import SignatureError, verifier_for
 from shared.subjects import Subjects
 
 
@@ -111,9 +112,11 @@ async def main(argv: list[str], handoff: EngineHandoff | None = None) -> None:
                      "pid": os.getpid()}
         jobs: dict[str, Callable[[], Awaitable[None]]] = {
             "metrics_report": worker.report_metrics,
-            "heartbeat": lambda: heartbeat_loop(js, subjects, "rollout", replica_id, beat_info)}
+            # `jetrl serve` is a rollout user's replica that plays no episodes: its own role on the dashboard
+            "heartbeat": lambda: heartbeat_loop(js, subjects, "rollout-serve" if cfg.serve.enabled else "rollout",
+                                                replica_id, beat_info)}
         if cfg.serve.enabled:  # the policy over the OpenAI API (jetrl serve); its socket is bound once: no restart
-            jobs["openai_api"] = lambda: serve_openai(cfg, engine, tokenizer, log)
+            jobs["openai_api"] = lambda: serve_openai(cfg, engine, tokenizer, log, nc, subjects)
         if engine is not None:
             if cfg.rollout.follow_weights:
                 jobs["weights_follower"] = worker.follow_weights
@@ -132,8 +135,10 @@ async def main(argv: list[str], handoff: EngineHandoff | None = None) -> None:
         log.info("rollout_stopping", episodes_done=worker.episodes_done, **(vars(engine.stats) if hasattr(engine, "stats") else {}))
 
 
-async def serve_openai(cfg: JetRLConfig, engine: Engine | None, tokenizer: Any, log: Any) -> None:
-    """POST /v1/chat/completions with this replica's engine, until cancelled; the URL goes to <run>/serve.url."""
+async def serve_openai(cfg: JetRLConfig, engine: Engine | None, tokenizer: Any, log: Any, nc: Any,
+                       subjects: Subjects) -> None:
+    """POST /v1/chat/completions with this replica's engine, until cancelled; the URL goes to <run>/serve.url.
+    The trainer's TrainingFinished marks the run it follows as ended (``/health`` says so)."""
     from services.rollout.openai_api import ChatCompletions, create_app
 
     if engine is None:
@@ -143,6 +148,23 @@ async def serve_openai(cfg: JetRLConfig, engine: Engine | None, tokenizer: Any, 
     sock.bind((cfg.serve.host, cfg.serve.port))  # port 0: the OS picks a free one
     url = f"http://{cfg.serve.host}:{sock.getsockname()[1]}/v1"
     chat = ChatCompletions(engine, tokenizer, cfg.serve, cfg.rollout.tool_format, cfg.rollout.max_context_tokens)
+
+    trainer = verifier_for(cfg.nats, "trainer")  # the trainer's signed word alone ends the run (shared/signing.py)
+
+    async def on_finished(msg: Any) -> None:
+        try:
+            done = trainer.check(decode(msg.data, TrainingFinished))
+        except BadMessage as exc:
+            log.warning("bad_training_finished", reason=exc.reason)
+            return
+        except SignatureError as exc:
+            log.warning("unsigned_training_finished_refused", reason=str(exc))
+            return
+        chat.run_ended = {"step": done.step, "policy_version": done.policy_version, "trainer": done.replica_id,
+                          "ts": done.ts}
+        log.info("followed_run_ended", step=done.step, policy_version=done.policy_version)
+
+    finished = await nc.subscribe(subjects.training_finished, cb=on_finished)
     server = uvicorn.Server(uvicorn.Config(create_app(chat), log_level="warning", lifespan="off"))
     run_dir = Path(cfg.run.dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -152,6 +174,7 @@ async def serve_openai(cfg: JetRLConfig, engine: Engine | None, tokenizer: Any, 
         await server.serve(sockets=[sock])
     finally:
         server.should_exit = True
+        await finished.unsubscribe()
 
 
 def run_with_engine_on_main_thread(argv: list[str]) -> None:

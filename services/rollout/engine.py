@@ -36,6 +36,7 @@ class Generation:
     finish_reason: str  # "stop" (an end token was sampled) or "length"
     engine_id: str
     policy_version: int
+    weights_digest: str = ""  # the announcement's digest of the weights held (the worker fills it in)
 
 
 class Engine(Protocol):

@@ -127,6 +127,7 @@ class RolloutWorker:
         self.creates_durables = True  # an open server; with per-role users the admin makes them (shared/consumers.py)
         self.trainer_verifier = Verifier("", subjects.prefix, "trainer")  # an unsigned run; __main__ sets the run's
         self.refused_signatures = 0
+        self.weights_digests: dict[int, str] = {}  # version -> digest of the weights loaded for it (its turns name it)
         self.acks = Acker("job_ack")  # confirmed in the background, retried: a stored trajectory's job is acked
 
     # ------------------------------------------------------------------ jobs
@@ -327,7 +328,7 @@ class RolloutWorker:
                 start = len(buf.tokens)
                 buf.add(gen.tokens, gen.logprobs, trainable=True)
                 buf.turns.append(TurnInfo(start=start, end=len(buf.tokens), engine_id=gen.engine_id,
-                                          policy_version=gen.policy_version))
+                                          policy_version=gen.policy_version, weights_digest=gen.weights_digest))
                 if gen.finish_reason != "stop":  # cut off: close the turn as the template would
                     buf.add([self.end_of_turn], None, trainable=False)
                 if action is None:
@@ -350,8 +351,15 @@ class RolloutWorker:
                 if step.finish:
                     closed = True
                     break
-                buf.add(self.tokenizer.encode(render_observation(step.messages), add_special_tokens=False), None,
-                        trainable=False)
+                observed = self.tokenizer.encode(render_observation(step.messages), add_special_tokens=False)
+                if len(buf.tokens) + len(observed) + job.max_new_tokens > self.cfg.max_context_tokens:
+                    # no room for another turn after it: end here, so that no trajectory is ever longer than
+                    # max_context_tokens (the trainer refuses longer ones: trainer.max_tokens)
+                    status = EpisodeStatus.AGENT_CONTEXT_LIMIT
+                    await env.cancel(opening.replica_id, session_id, reason=status)
+                    closed = True
+                    break
+                buf.add(observed, None, trainable=False)
             else:
                 status = EpisodeStatus.TASK_LIMIT_REACHED
                 await env.cancel(opening.replica_id, session_id, reason=status)
@@ -442,11 +450,17 @@ class RolloutWorker:
                     raise RuntimeError(reply.headers.get(ERROR_HEADER, "pool engine error"))
                 g = decode(reply.data, GenerateReply)
                 self.turn_sources["pool"] += 1
-                return Generation(g.tokens, g.logprobs, g.finish_reason, g.engine_id, g.policy_version)
+                return Generation(g.tokens, g.logprobs, g.finish_reason, g.engine_id, g.policy_version,
+                                  g.weights_digest)
             except Exception as exc:  # no pool engine answered: generate locally rather than stall
                 log.warning("pool_generate_failed", error=repr(exc))
         self.turn_sources["local"] += 1
-        return await self.engine.generate(tokens, job.max_new_tokens, job.temperature)
+        return self.with_digest(await self.engine.generate(tokens, job.max_new_tokens, job.temperature))
+
+    def with_digest(self, gen: Generation) -> Generation:
+        """A turn of our engine, naming the weights it held: the digest of the version it says it played with."""
+        gen.weights_digest = self.weights_digests.get(gen.policy_version, "")
+        return gen
 
     def _check_generate(self, req: GenerateRequest) -> str | None:
         """Bounds the schema cannot know: token ids this tokenizer has, a context the engine can hold."""
@@ -475,10 +489,11 @@ class RolloutWorker:
                     if problem:  # a hostile request must not reach the engine's shared batch
                         await request.respond_error("400", problem)
                         return
-                    g = await engine.generate(req.prompt, req.max_new_tokens, req.temperature)
+                    g = self.with_digest(await engine.generate(req.prompt, req.max_new_tokens, req.temperature))
                     await request.respond(encode(GenerateReply(tokens=g.tokens, logprobs=g.logprobs,
                                                                finish_reason=g.finish_reason, engine_id=g.engine_id,
-                                                               policy_version=g.policy_version)))
+                                                               policy_version=g.policy_version,
+                                                               weights_digest=g.weights_digest)))
                 except BadMessage as exc:
                     await request.respond_error(str(exc.code), exc.reason)
                 except Exception as exc:
@@ -520,10 +535,8 @@ class RolloutWorker:
                     refused_last[0] = data
                     self.refused_signatures += 1
                     log.warning("unsigned_weights_refused", origin=origin, reason=str(exc))
-                    letter = asyncio.create_task(dead_letter(self.js, self.subjects, service="rollout", reason=str(exc),
-                                                             origin_subject=self.subjects.policy_entry, payload=data))
-                    self._pool_tasks.add(letter)  # held until done (a bare task may be collected mid-flight)
-                    letter.add_done_callback(self._pool_tasks.discard)
+                    supervise(dead_letter(self.js, self.subjects, service="rollout", reason=str(exc),  # held until done
+                                          origin_subject=self.subjects.policy_entry, payload=data), "dead_letter", None)
                 return
             if not newest or note.version > newest[0].version:
                 newest[:] = [note]
@@ -590,6 +603,9 @@ class RolloutWorker:
             elif note.format != "full":
                 raise ValueError(f"weights v{note.version}: unknown format {note.format!r}")
             await self.engine.update_weights(state, note.version)
+            self.weights_digests[note.version] = note.digest  # what its turns of this version name
+            for old in sorted(self.weights_digests)[:-64]:  # a turn played with a version this old is long trained on
+                del self.weights_digests[old]
             async with self._weights_loaded:
                 self._weights_loaded.notify_all()
             held = time.monotonic()

@@ -54,6 +54,7 @@ async def main(argv: list[str]) -> None:
         await declare_topology(js, subjects, cfg.nats, cfg.controller.heartbeat_ttl_s, role="trainer")
         trainer = trainer_cls(nc, js, subjects, cfg.trainer, model, run_dir, replica_id)
         trainer.creates_durables = manages_topology(cfg.nats, "trainer")
+        trainer.context_tokens = cfg.rollout.max_context_tokens  # what trainer.max_tokens defaults to
         trainer.signer, trainer.policy_verifier = signer_for(cfg.nats), verifier_for(cfg.nats, "trainer")
         trainer.resume()  # a restarted trainer continues from its newest checkpoint
         await trainer.adopt_announced_version()  # versions only go up, across restarts and trainers

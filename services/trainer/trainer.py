@@ -40,7 +40,7 @@ from services.trainer.packing import (
     shareable_length,
 )
 from shared.bus import dead_letter, decode_or_dead_letter, judge_each, publish_metrics, retrying, term_quietly
-from shared.config import TrainerConfig
+from shared.config import RolloutConfig, TrainerConfig
 from shared.consumers import bind_durable, trainer_consumer
 from shared.digest import digest
 from shared.lifecycle import supervise
@@ -120,6 +120,7 @@ class Trainer:
                  run_dir: Path, replica_id: str) -> None:
         self.nc, self.js, self.subjects, self.cfg = nc, js, subjects, cfg
         self.run_dir, self.replica_id = run_dir, replica_id
+        self.published_digests: dict[int, str] = {}  # version -> digest we announced (checked in each turn)
         self.signer: Signer | None = None  # signs announcements where the run has keys (shared/signing.py)
         self.policy_verifier: Verifier | None = None  # checks the policy KV's entry read back on a restart
         self.creates_durables = True  # an open server; with per-role users the admin makes them (shared/consumers.py)
@@ -135,8 +136,9 @@ class Trainer:
         self.seen_episodes: OrderedDict[str, str] = OrderedDict()
         self.in_step: list[Msg] = []  # the messages of the step being taken (acked after it)
         self.vocab_size = _vocab_size(model)
+        self.context_tokens = RolloutConfig().max_context_tokens  # the run's rollout.max_context_tokens (__main__)
         self.counters: dict[str, float] = {"train/dead_lettered": 0.0, "train/nonfinite_skipped": 0.0,
-                                           "train/flat_groups": 0.0}
+                                           "train/flat_groups": 0.0, "train/digest_mismatch": 0.0}
         self.flat: list[EpisodeOutcome] = []  # episodes of groups left out since the last step
         self.flat_groups_since_step = 0
         self._step_nonfinite = False
@@ -261,7 +263,12 @@ class Trainer:
 
     def check(self, traj: Trajectory) -> str | None:
         """What the schema cannot know: token ids inside this model's vocabulary, turn spans in order
-        and covering every trained token (and, again, finite numbers). A reason to refuse it, or None."""
+        and covering every trained token (and, again, finite numbers), no longer than ``token_limit``. A
+        reason to refuse it, or None."""
+        limit = self.token_limit(traj.task)
+        if len(traj.tokens) > limit:  # a step's cost grows with the square of it: 2 x 60k tokens took 189 s
+            return (f"trajectory: {len(traj.tokens)} tokens, more than the {limit} the trainer takes for task "
+                    f"{traj.task!r} (trainer.max_tokens, else rollout.max_context_tokens)")
         if traj.tokens and self.vocab_size is not None and max(traj.tokens) >= self.vocab_size:
             at = next(i for i, t in enumerate(traj.tokens) if t >= self.vocab_size)
             return f"trajectory.tokens[{at}]: token id {traj.tokens[at]} is outside the vocabulary ({self.vocab_size})"
@@ -280,7 +287,18 @@ class Trainer:
             return f"trajectory.loss_mask[{stray}]: a trained token outside every turn span"
         if any(not math.isfinite(x) for x in traj.logprobs) or not math.isfinite(traj.reward):
             return "trajectory: a non-finite logprob or reward"
+        for k, turn in enumerate(traj.turns):  # the weights each turn was played with: the ones we announced?
+            published = self.published_digests.get(turn.policy_version)
+            if published is not None and turn.weights_digest != published:
+                self.counters["train/digest_mismatch"] += 1
+                return (f"trajectory.turns[{k}].weights_digest: {turn.weights_digest or 'none'} is not the digest of "
+                        f"the weights published as version {turn.policy_version}")
         return None
+
+    def token_limit(self, task: str) -> int:
+        """The longest trajectory of ``task`` the trainer takes: ``trainer.max_tokens`` for it or for every task
+        (``*``), else the rollout's context limit, which no trajectory a rollout plays exceeds."""
+        return self.cfg.max_tokens.get(task, self.cfg.max_tokens.get("*", self.context_tokens))
 
     async def _refuse(self, msg: Msg, reason: str) -> None:
         """Dead-letter a trajectory we will not train on and terminate it (never redelivered)."""
@@ -739,6 +757,9 @@ class Trainer:
                                    dtype=self.cfg.broadcast_dtype, format="lora" if self.lora else "full")
         if self.signer is not None:  # the announcement vouches for the weights: their digest is in what is signed
             note = self.signer.sign(note)
+        self.published_digests[note.version] = note.digest  # every turn played with this version must name it
+        for old in sorted(self.published_digests)[:-256]:  # far beyond any staleness bound
+            del self.published_digests[old]
         kv = await retrying("policy_kv", lambda: self.js.key_value(self.subjects.policy_kv))
         await retrying("policy_kv_put", lambda: kv.put(self.subjects.policy_version_key, encode(note)))
         await self.nc.publish(self.subjects.weights_published, encode(note))

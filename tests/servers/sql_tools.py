@@ -1,7 +1,7 @@
 """An MCP tool server written for the tests with PyPI ``mcp``: SQL over an SQLite database of its own per MCP
 session (a stdio process is one session; over streamable HTTP each ``Mcp-Session-Id`` has its own), plus a
 verifier tool. ``python -m tests.servers.sql_tools stdio`` or ``... http PORT``. The tool ``crash`` kills
-the server (a server that dies mid-episode)."""
+the server (a server that dies mid-episode); ``wait`` is a slow tool."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import os
 import sqlite3
 import sys
 
+import anyio
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
 
@@ -57,6 +58,13 @@ def check_total(answer: str, table: str, ctx: Context) -> float:
 def getenv(name: str) -> str:
     """An environment variable of this server's process ('' if unset)."""
     return os.environ.get(name, "")
+
+
+@server.tool()
+async def wait(seconds: float) -> str:
+    """Answer after this many seconds (a slow tool)."""
+    await anyio.sleep(seconds)
+    return "waited"
 
 
 @server.tool()

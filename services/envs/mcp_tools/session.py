@@ -98,10 +98,11 @@ class McpSession:
         gone = asyncio.ensure_future(self.gone.wait())
         try:
             done, _ = await asyncio.wait({call, gone}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
+        finally:  # also when the caller gave up (its timeout): no request is left waiting on the session
             gone.cancel()
+            if not call.done():
+                call.cancel()
         if call not in done:
-            call.cancel()
             raise ServerGone(f"the MCP server closed the session ({reason(self.error)})")
         try:
             return call.result()

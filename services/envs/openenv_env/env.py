@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
 
 from services.envs.base import Episode, TaskEnv, TaskLevel, ToolCall, ToolError, ToolResult
-from services.envs.openenv_env.client import HttpSession, WebSocketSession, get_json, offers_websocket
+from services.envs.openenv_env.client import HttpSession, ServerGone, WebSocketSession, get_json, offers_websocket
 from services.envs.openenv_env.config import OpenEnvConfig
 from services.envs.openenv_env.server import ManagedServer
 from shared.messages import EpisodeStatus
@@ -34,6 +35,7 @@ from shared.messages import EpisodeStatus
 log = structlog.get_logger()
 
 HIDDEN_FIELDS = ("done", "reward", "metadata")
+CAPACITY_WAIT_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -124,10 +126,8 @@ class OpenEnvEpisode(Episode):
         self.max_turns = self.settings.max_turns
         self.total = 0.0
         self.steps = 0
-        timeout = self.settings.step_timeout_s
-        self.session = WebSocketSession(url, timeout) if env.websocket else HttpSession(url, timeout)
+        self.session, first = self._start(url, reset_kwargs)
         try:
-            first = self.session.reset(reset_kwargs)
             if env.mcp:
                 listed = self.session.step({"type": "list_tools"}).observation.get("tools", [])
                 self.tools_by_name = {t["name"]: ActionTool({"type": "function", "function": {
@@ -146,6 +146,24 @@ class OpenEnvEpisode(Episode):
             "result is what the environment observes next. The episode ends when the environment says so.")
         self._opening = [{"role": "system", "content": system},
                          {"role": "user", "content": observation_text(first.observation, self.settings.observation_field)}]
+
+    def _start(self, url: str, reset_kwargs: dict[str, Any]) -> tuple[Any, Any]:
+        """A session and its reset. A server frees a closed session's slot a moment after the close, so a
+        start that finds it at capacity tries again for ``CAPACITY_WAIT_S`` before it gives up."""
+        timeout = self.settings.step_timeout_s
+        deadline = time.monotonic() + CAPACITY_WAIT_S
+        while True:
+            session = WebSocketSession(url, timeout) if self.env.websocket else HttpSession(url, timeout)
+            try:
+                return session, session.reset(reset_kwargs)
+            except ServerGone as exc:
+                session.close()
+                if "CAPACITY_REACHED" not in str(exc) or time.monotonic() > deadline:
+                    raise
+            except BaseException:
+                session.close()
+                raise
+            time.sleep(0.1)
 
     @property
     def tools(self) -> list[dict[str, Any]]:
