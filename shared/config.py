@@ -423,13 +423,14 @@ def _parse_scalar(raw: str, hint: Any, key: str) -> Any:
         if origin is dict:  # JSON, or "a=1,b=2"
             if raw.strip().startswith("{"):
                 return json.loads(raw)
+            _, value_hint = typing.get_args(hint)  # each value read as the map's value type: int stays int
             pairs = [p.split("=", 1) for p in raw.split(",") if p.strip()]
-            return {k.strip(): float(v) for k, v in pairs}
+            return {k.strip(): _parse_scalar(v.strip(), value_hint, f"{key}.{k.strip()}") for k, v in pairs}
         if origin is list:
             if raw.strip().startswith("["):
                 return json.loads(raw)
             (item,) = typing.get_args(hint)
-            return [item(p.strip()) for p in raw.split(",") if p.strip()]
+            return [_parse_scalar(p.strip(), item, f"{key}[]") for p in raw.split(",") if p.strip()]
     except (ValueError, json.JSONDecodeError):
         raise ConfigError(f"config key {key}: cannot read {raw!r} as {hint}") from None
     raise ConfigError(f"config key {key}: unsupported type {hint}")

@@ -351,3 +351,14 @@ def test_jetrl_config_for_one_task() -> None:
     everything = jetrl_config()
     assert all(f"[env.{task}]\n" in everything for task in ("db", "os", "kg", "alfworld", "webshop"))
     assert "[trainer]\n" in everything
+
+
+def test_map_and_list_values_keep_their_types_from_flags_and_env_vars() -> None:
+    cfg = load_config(overrides=["--controller.tasks=os=1", "--rollout.task_concurrency=os=2,*=3"],
+                      environ={"JETRL__CONTROLLER__TASK_MAX_INFLIGHT": "os=4"})
+    assert cfg.rollout.task_concurrency == {"os": 2, "*": 3}
+    assert all(type(v) is int for v in cfg.rollout.task_concurrency.values())
+    assert cfg.controller.task_max_inflight == {"os": 4} and type(cfg.controller.task_max_inflight["os"]) is int
+    assert cfg.controller.tasks == {"os": 1.0}
+    with pytest.raises(ConfigError, match="rollout.task_concurrency"):
+        load_config(overrides=["--controller.tasks=os=1", "--rollout.task_concurrency=os=2.5"], environ={})
