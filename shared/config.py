@@ -63,7 +63,7 @@ class NatsConfig:
     signing_key_file: str = opt("", "this service's Ed25519 private key (hex, 0600; the trainer's or the "
                                     "controller's), which signs its control messages")
     signing_key: str = opt("", "the same key given as a value (compose: from the environment)")
-    # bounds of the streams that grow with the run (issue 16): the oldest messages go first
+    # bounds of the streams that grow with the run: the oldest messages go first
     traj_max_age_s: float = opt(7 * 86400.0, "TRAJ keeps trajectories this long")
     traj_max_bytes: int = opt(4 * 1024**3, "TRAJ holds at most this many bytes (-1 = no bound)")
     episodes_max_age_s: float = opt(7 * 86400.0, "EPISODES keeps action/observation events this long")
@@ -371,7 +371,7 @@ class ServeConfig:
 
 @dataclass
 class SupervisorConfig:
-    """[supervisor]: how ``jetrl up`` keeps its children alive (issue 16)."""
+    """[supervisor]: how ``jetrl up`` keeps its children alive."""
 
     restart_backoff_s: float = opt(1.0, "wait before restarting a dead service; doubles with each death in a row, "
                                         "up to restart_backoff_max_s")

@@ -167,7 +167,7 @@ REQUIRED = {cls: {f.name: SMALLEST[_plain(f.type)] for f in msgspec.structs.fiel
 
 
 def test_wire_compatible_with_the_legacy_codec() -> None:
-    """Bytes from the codec before issue 21 decode with this one and the other way round; both write
+    """Bytes from the codec in an earlier version decode with this one and the other way round; both write
     the same bytes (bench/bench_codec.py holds the legacy codec verbatim), except the fields added since
     (a trajectory's ``level``, ``task_kind``, ``messages`` and ``tools``, its turns' ``weights_digest``, a job's
     ``policy_version``), which old readers skip as unknown."""
