@@ -14,6 +14,7 @@ import random
 import time
 from typing import Any
 
+import msgspec
 import pytest
 
 from services.controller.api import create_app
@@ -25,7 +26,7 @@ from shared.config import ConfigError, EnvConfig, JetRLConfig, ModelConfig, vali
 from shared.model import load_tokenizer, quiet_transformers, resolve_model
 from shared.subjects import Subjects
 from tests.sums_env import SumEnv
-from tests.test_dashboard import served
+from tests.test_dashboard import served, traj
 
 
 def observe(sampler: LearnabilitySampler, task: str, outcomes: list[int], task_id: str = "t-0", level: int = 0) -> None:
@@ -162,6 +163,18 @@ async def test_an_always_flat_task_is_drawn_less_and_the_weights_are_in_status(n
     assert set(board["status"]["sampler"]["tasks"]) == {"flat", "mixed"}
     published = {t: x["published"] for t, x in status["tasks"].items()}
     assert published["flat"] < published["mixed"], published  # the mix alone would publish them equally
+
+
+async def test_only_training_episodes_the_policy_played_move_the_weights(nc, config, subjects) -> None:
+    config.controller.tasks, config.controller.task_sampler = {"db": 1.0}, "learnability"
+    controller = Controller(nc, nc.jetstream(), subjects, config, "controller-sampler-feed")
+    solved = traj("e-1", "db", 1.0, [0])
+    controller.on_trajectory(solved)
+    controller.on_trajectory(msgspec.structs.replace(traj("e-2", "db", 0.0, [0]), status="env_error"))
+    controller.on_trajectory(traj("e-3", "db", 0.0, [0], split="test"))
+    controller.on_trajectory(msgspec.structs.replace(traj("e-4", "db", 0.0, [0]), group_id="eval-greedy-db-1"))
+    assert controller.sampler is not None and list(controller.sampler.tasks["db"].outcomes) == [1]
+    assert controller.status()["sampler"]["tasks"]["db"]["episodes"] == 1
 
 
 async def test_without_the_sampler_status_says_so_and_the_shares_are_exact(nc, config, subjects) -> None:

@@ -48,6 +48,7 @@ from shared.lifecycle import supervise
 from shared.messages import (
     BadMessage,
     EpisodeJob,
+    EpisodeStatus,
     MetricsReport,
     RunControl,
     TrainingFinished,
@@ -441,7 +442,8 @@ class Controller:
         book.turns += len(traj.turns)
         book.generated_tokens += sum(traj.loss_mask)
         book.statuses[traj.status] += 1
-        if self.sampler is not None and traj.split == "train" and not traj.group_id.startswith("eval-"):
+        if (self.sampler is not None and traj.split == "train" and not traj.group_id.startswith("eval-")
+                and traj.status != EpisodeStatus.ENV_ERROR):  # an env failure says nothing of the policy
             self.sampler.observe(traj.task, traj.task_id, traj.level, traj.success)
         if traj.group_id.startswith("eval-"):
             name = traj.group_id.split("-")[1]  # eval-<pass>-<task>-...
