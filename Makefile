@@ -68,9 +68,9 @@ lint: venv
 test-learning: venv system-deps
 	$(BIN)/python -m pytest -q -ra -m learning tests/test_learning.py
 
-# Fault suite (issue 16, ~3-4 min on 2 cores): kill -9 of every service and of nats-server under `jetrl up`,
+# Fault suite (~3-4 min on 2 cores): kill -9 of every service and of nats-server under `jetrl up`,
 # >= 10,000 malformed messages, a poison trajectory: tests/test_faults.py, figures in docs/benchmarks/faults.md;
-# a node of a 3-node JetStream cluster killed mid-run (issue 18, ~35-70 s): tests/test_cluster.py,
+# a node of a 3-node JetStream cluster killed mid-run (~35-70 s): tests/test_cluster.py,
 # figures in docs/benchmarks/cluster.md
 test-faults: venv
 	$(BIN)/python -m pytest -q -ra -m faults tests/test_faults.py tests/test_faults_bounds.py tests/test_attacks.py tests/test_cluster.py

@@ -3,12 +3,12 @@
 Three codecs side by side in one run, on the same bytes:
 
 - ``bare``: ``msgpack.unpackb`` / ``msgpack.packb`` of the map, no types, no checks (the floor);
-- ``legacy``: the hand-written reflective codec JetRL used before issue 21, copied below verbatim
+- ``legacy``: the hand-written reflective codec JetRL used in an earlier version, copied below verbatim
   (with the two message dataclasses it needs here) as the baseline;
 - ``msgspec``: ``shared.messages`` today: typed Structs decoded in C, constraints included.
 
 It also checks that the three agree on the wire: the legacy and new encoders write the same bytes,
-and each decodes the other's. The goal of issue 21 is decode <= 1.5x bare.
+and each decodes the other's. The goal is decode <= 1.5x bare.
 
     .venv/bin/python bench/bench_codec.py                   # the figures in docs/benchmarks.md
     .venv/bin/python bench/bench_codec.py --tokens 4096 --json out.json

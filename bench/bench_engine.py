@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from bench.bench_trainer import padded_logprobs as token_logprobs  # the padded path, before issue 14
+from bench.bench_trainer import padded_logprobs as token_logprobs  # the padded path, in an earlier version
 from services.rollout.engine import HFEngine
 from shared.config import ModelConfig
 from shared.model import load_model, load_tokenizer, quiet_transformers, resolve_model

@@ -1,4 +1,4 @@
-"""Env host at scale and the cost of the broker path (issue 18, items 1 and 2).
+"""Env host at scale and the cost of the broker path.
 
 ``scale``: an embedded nats-server, ``--replicas`` db env replicas as their own processes
 (``python -m services.envs db``) and one driver process per replica. Each driver keeps its share of

@@ -7,7 +7,7 @@ format, the oracle's tool calls and the env's answers, token for token), ``--gro
 instance; each member's assistant turns are cut or extended by up to 30 % so that lengths differ as
 sampled episodes do. Variants, each one RL step (advantages from rewards 0/1 within each group):
 
-* ``padded+proximal, full`` — the path before issue 14 (copied below as the baseline): padded
+* ``padded+proximal, full`` — the path in an earlier version (copied below as the baseline): padded
   micro-batches, every trajectory runs its whole opening, a second forward pass for the proximal
   logprobs, every parameter trained;
 * ``shared prefix, full`` — ``Trainer._optimise`` with ``trainer.shared_prefix`` and no redundant pass;
@@ -82,7 +82,7 @@ def db_trajectories(tokenizer: Any, groups: int, group_size: int, seed: int = 0)
 # ---------------------------------------------------------------------------------- the baseline path
 def padded_logprobs(model: Any, ids: torch.Tensor, attn: torch.Tensor, trained: torch.Tensor,
                     temps: torch.Tensor) -> torch.Tensor:
-    """The trainer's scoring before issue 14: padded rows, LM head on the trained positions."""
+    """The trainer's scoring in an earlier version: padded rows, LM head on the trained positions."""
     hidden = model.get_decoder()(input_ids=ids, attention_mask=attn).last_hidden_state[:, :-1]
     logits = model.get_output_embeddings()(hidden[trained]).float()
     temp = temps[:, None].expand_as(trained)[trained]
@@ -90,7 +90,7 @@ def padded_logprobs(model: Any, ids: torch.Tensor, attn: torch.Tensor, trained: 
 
 
 def baseline_step(model: Any, optimizer: torch.optim.Optimizer, trajs: list[Trajectory], max_tokens: int) -> None:
-    """One step as the trainer did it before issue 14 (decoupled PPO, one minibatch)."""
+    """One step as the trainer did it in an earlier version (decoupled PPO, one minibatch)."""
     seq_adv = rl.group_advantages(torch.tensor([t.reward for t in trajs]), [t.group_id for t in trajs])
     token_adv = torch.cat([seq_adv[i].repeat(sum(t.loss_mask[1:])) for i, t in enumerate(trajs)])
     chunks: list[list[Trajectory]] = []

@@ -15,7 +15,7 @@ MB per CPU-second (this process plus the nats-server): what the path costs, what
    into one buffer, from the second load on the previous version's, ``weights_from_buffer`` views, the
    engine's in-place copy; ``--engine continuous``,
    the default engine, or ``hf``), alternating on the same object with ``load_before``, the replica's
-   path before issue 18 (join, two SHA-256 passes, ``safetensors.torch.load``, ``.to`` + ``copy_``).
+   path in an earlier version (join, two SHA-256 passes, ``safetensors.torch.load``, ``.to`` + ``copy_``).
    Reported: received -> held (the object in memory to the engine holding it) and end to end. With
    ``--lora-rank R`` also a LoRA version as a LoRA run broadcasts it: the adapter alone
    (``lora_delta_bytes``, fp32), which the replica adds to its base weights (``merge_lora_delta``)
@@ -141,7 +141,7 @@ def lora_model(path: Path, rank: int) -> Any:
     return model
 
 
-# ------------------------------------------------- read_object through nats-py (issue 18 item 5, first part), for comparison
+# ------------------------------------------------- read_object through nats-py, for comparison
 async def read_object_nats_py(js: Any, bucket: str, name: str, window_bytes: int = 16 * 1024**2,
                               expected_digest: str | None = None) -> bytearray:
     """``shared.bus.read_object`` before its own connection (``shared.objectread``): the chunks through
@@ -176,7 +176,7 @@ async def read_object_nats_py(js: Any, bucket: str, name: str, window_bytes: int
     return buf
 
 
-# ----------------------------------------------------------------- the replica's path before issue 18, for comparison
+# ----------------------------------------------------------------- the replica's path in an earlier version, for comparison
 async def read_object_before(js: Any, bucket: str, name: str, window_bytes: int = 16 * 1024**2) -> bytes:
     """``shared.bus.read_object`` as it was: the chunks joined into one ``bytes``, then a SHA-256 pass
     against the store's digest."""
@@ -212,7 +212,7 @@ def load_weights_into_before(model: Any, state: dict[str, Any]) -> None:
 
 
 async def load_before(js: Any, bucket: str, name: str, sha256_hex: str, engine: Any) -> WeightsLoadTimes:
-    """The replica's load before issue 18: read (join + SHA-256), SHA-256 again against the announcement,
+    """The replica's load in an earlier version: read (join + SHA-256), SHA-256 again against the announcement,
     ``safetensors.torch.load`` (a copy of every tensor), then ``.to`` + ``copy_`` into the model. The engine is
     idle during the bench, so the copy runs in a helper thread as the engine's own thread ran it."""
     from safetensors.torch import load
@@ -229,7 +229,7 @@ async def load_before(js: Any, bucket: str, name: str, sha256_hex: str, engine: 
 
 async def into_replica(nc: Any, js: Any, subjects: Subjects, model_name: str, dtypes: list[str],
                        repeats: int, engine_kind: str = "continuous", lora_rank: int = 0) -> list[dict[str, Any]]:
-    """The trainer's publish and the replica's load, as the services run them; the path before issue 18
+    """The trainer's publish and the replica's load, as the services run them; the path in an earlier version
     (``load_before``) and today's (``RolloutWorker._load``) alternate on the same object, ``repeats`` times each."""
     path = resolve_model(ModelConfig(name=model_name))
     model = load_model(path)

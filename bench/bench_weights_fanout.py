@@ -9,9 +9,9 @@ replicas:
 * ``now``: ``RolloutWorker._load`` (``shared.bus.read_object``'s own connection, ``shared.objectread``: each
   chunk from the socket into its place, one BLAKE3 pass as they arrive; read into the previous version's
   buffer when nothing refers to it any more).
-* ``nats-py``: the same, but the chunks come through nats-py's pull ``fetch`` into a fresh buffer (issue 18
-  item 5's first part, ``bench_weights.read_object_nats_py``).
-* ``before``: the path before issue 18 (join, two SHA-256 passes, ``safetensors.torch.load``, ``.to`` + copy;
+* ``nats-py``: the same, but the chunks come through nats-py's pull ``fetch`` into a fresh buffer
+  (``bench_weights.read_object_nats_py``).
+* ``before``: the path in an earlier version (join, two SHA-256 passes, ``safetensors.torch.load``, ``.to`` + copy;
   ``bench_weights.load_before``).
 
 CPU seconds of nats-server and of the replica processes (all their threads) over each round say where the

@@ -137,7 +137,10 @@ class Supervisor:
         child.started_at = time.monotonic()
         cmd = child.command or [sys.executable, "-m", *child.module_args, "--config", str(self.config_path),
                                 *child.overrides]
-        env = dict(os.environ, PYTHONUNBUFFERED="1", **(child.environ or {}))
+        # the child reads the effective config the CLI wrote (JETRL__* variables already applied, flags over
+        # them): the same variables again would override the flags a second time, in the child alone
+        env = {k: v for k, v in os.environ.items() if not k.startswith("JETRL__")}
+        env.update(PYTHONUNBUFFERED="1", **(child.environ or {}))
         signer = name if name in ("trainer", "controller") else ""
         if signer and self.cfg.nats.trainer_public_key and self.cfg.nats.auth_dir:  # its private key, for it alone
             env["JETRL__NATS__SIGNING_KEY_FILE"] = str(signing_key_path(self.cfg.nats.auth_dir, signer))

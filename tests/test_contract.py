@@ -167,7 +167,7 @@ REQUIRED = {cls: {f.name: SMALLEST[_plain(f.type)] for f in msgspec.structs.fiel
 
 
 def test_wire_compatible_with_the_legacy_codec() -> None:
-    """Bytes from the codec before issue 21 decode with this one and the other way round; both write
+    """Bytes from the codec in an earlier version decode with this one and the other way round; both write
     the same bytes (bench/bench_codec.py holds the legacy codec verbatim), except the fields added since
     (a trajectory's ``level``, ``task_kind``, ``messages`` and ``tools``, its turns' ``weights_digest``, a job's
     ``policy_version``), which old readers skip as unknown."""
@@ -351,3 +351,14 @@ def test_jetrl_config_for_one_task() -> None:
     everything = jetrl_config()
     assert all(f"[env.{task}]\n" in everything for task in ("db", "os", "kg", "alfworld", "webshop"))
     assert "[trainer]\n" in everything
+
+
+def test_map_and_list_values_keep_their_types_from_flags_and_env_vars() -> None:
+    cfg = load_config(overrides=["--controller.tasks=os=1", "--rollout.task_concurrency=os=2,*=3"],
+                      environ={"JETRL__CONTROLLER__TASK_MAX_INFLIGHT": "os=4"})
+    assert cfg.rollout.task_concurrency == {"os": 2, "*": 3}
+    assert all(type(v) is int for v in cfg.rollout.task_concurrency.values())
+    assert cfg.controller.task_max_inflight == {"os": 4} and type(cfg.controller.task_max_inflight["os"]) is int
+    assert cfg.controller.tasks == {"os": 1.0}
+    with pytest.raises(ConfigError, match="rollout.task_concurrency"):
+        load_config(overrides=["--controller.tasks=os=1", "--rollout.task_concurrency=os=2.5"], environ={})

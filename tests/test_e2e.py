@@ -40,7 +40,7 @@ def small_config(config: JetRLConfig, tmp_path: Path, **over: object) -> JetRLCo
     config.trainer.min_groups = 1
     config.trainer.lr = 1e-3
     # an untrained model's groups are all failures (no policy gradient): the KL term makes every step a real
-    # optimizer step, and only those make a new policy version (issue 16)
+    # optimizer step, and only those make a new policy version
     config.trainer.kl_coef = 0.01
     config.env.num_train_tasks = 8
     config.env.num_test_tasks = 4

@@ -302,7 +302,7 @@ async def test_served_over_nats_oracle_episodes_and_bad_actions(env: AlfworldEnv
             await host._close(session, "cancelled")
 
 
-# ------------------------------------------------------------------------------ ALFWorld's own files (issue 17)
+# ------------------------------------------------------------------------------ ALFWorld's own files
 def test_game_files_and_tuples_serve_alfworlds_own_layout(env: AlfworldEnv, tmp_path: Path) -> None:
     """env.alfworld.game_files takes ALFWorld's layout (json_2.1.1/<split>/<task>/<trial>/game.tw-pddl beside
     traj_data.json) by glob, as split dev; the generator takes (type, object, receptacle, scene) tuples."""

@@ -308,7 +308,7 @@ def test_levels_and_kinds_of_questions(env: KGEnv) -> None:
     assert easy and all(env.task_level(i, "train").level == 1 for i in easy) and len(easy) < len(ids)
 
 
-# ------------------------------------------------------------------------ AgentBench's behaviour (issue 17)
+# ------------------------------------------------------------------------ AgentBench's behaviour
 ROCKETS = {  # a small Freebase-shaped graph: (mid, type, name, {relation: [objects]}, {attribute: value})
     "m.0gas": ("spaceflight.rocket_engine_cycle", "Gas-generator cycle",
                {"spaceflight.rocket_engine_cycle.rocket_engines": ["m.0rd107", "m.0merlin", "m.0rs27"]}, {}),

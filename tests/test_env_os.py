@@ -413,7 +413,7 @@ def test_levels_and_families_of_generated_tasks() -> None:
     assert ids and all(easy.task_level(i, "train").level == 1 for i in ids) and len(ids) < len(levels)
 
 
-# --------------------------------------------------------------------------- AgentBench's layout (issue 17)
+# --------------------------------------------------------------------------- AgentBench's layout
 def write_agentbench_layout(root: Path) -> None:
     """A small copy of AgentBench's os_interaction layout: two files both named new.json under data/<N>/,
     each with a check script of the same name in its own scripts/<N>/ folder, and data/dev.json."""

@@ -390,7 +390,7 @@ async def test_served_over_nats_oracle_episodes_and_bad_actions(config, subjects
         assert step.finish and step.status == "completed" and step.reward == 1.0
         assert step.metrics["invalid_actions"] == 6.0
         # a call past the time limit ends its episode (env_timeout): its search still runs in its thread,
-        # and no later call may run beside it (issue 16)
+        # and no later call may run beside it
         sid = uuid.uuid4().hex
         await client.start(sid, env.task_ids("test")[1], "test")
         config.env.action_timeout_s = 1e-6

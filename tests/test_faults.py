@@ -1,4 +1,4 @@
-"""Fault suite (issue 16): real processes, a real nats-server, real faults. ``make test-faults``.
+"""Fault suite: real processes, a real nats-server, real faults. ``make test-faults``.
 
 * ``jetrl up`` with every service kind and the nats-server itself killed (SIGKILL) one after the other
   while it trains: the run reaches its last step; counted by episode id, no episode is lost (every job

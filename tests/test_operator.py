@@ -140,3 +140,28 @@ async def test_jetrl_eval_progress_reads_the_controllers_plan(nc, config, subjec
     lines = [x for x in capfd.readouterr().err.splitlines() if x.startswith("jetrl eval")]
     assert lines[0].startswith("jetrl eval [############............] 6/12 episodes  50%") and "db 6/8  kg 0/4" in lines[0]
     assert "eta" in lines[0] and "10/12" in lines[-1] and "kg 4/4" in lines[-1]
+
+
+def test_a_child_of_jetrl_up_reads_the_effective_config_not_the_variables_again(tmp_path, monkeypatch) -> None:
+    """JETRL__TRAINER__STEPS=5 jetrl up --trainer.steps=10: the CLI's config says 10 (flags over variables), and
+    so does every child, which reads that config and not the variables a second time."""
+    import time
+
+    from jetrl.cli import Supervisor
+    from shared.config import load_config, save_config
+
+    monkeypatch.setenv("JETRL__TRAINER__STEPS", "5")
+    cfg = load_config(overrides=["--trainer.steps=10"])
+    assert cfg.trainer.steps == 10
+    config_path = tmp_path / "config.toml"
+    save_config(cfg, config_path)
+    sup = Supervisor(cfg, config_path, tmp_path)
+    child = ("import sys; from shared.config import load_config; "
+             "print('child steps', load_config(sys.argv[1]).trainer.steps, flush=True)")
+    sup.spawn("probe", [], command=[sys.executable, "-c", child, str(config_path)], cwd=str(REPO))
+    deadline = time.monotonic() + 60
+    while sup.procs["probe"].poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert sup.procs["probe"].returncode == 0
+    time.sleep(0.5)  # the log copier writes what the child printed
+    assert "child steps 10" in (tmp_path / "logs" / "probe.log").read_text()

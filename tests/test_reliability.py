@@ -1,4 +1,4 @@
-"""Reliability pieces of issue 16, each against real processes or a real nats-server, in seconds:
+"""Reliability pieces, each against real processes or a real nats-server, in seconds:
 the supervisor's crash-loop verdict, an env request that survives a nats-server kill -9 and restart
 and runs its tool once, the env's action timeout and multiple-tool-call refusal, the trainer's
 boundary checks and its non-finite-step skip. The whole-run faults are in tests/test_faults.py."""

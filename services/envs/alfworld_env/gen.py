@@ -14,7 +14,7 @@ and the reachable grid (``-layout.npy``); it has no games (its downloader needs 
    the ``game.tw-pddl`` bundle (domain + grammar with the goal text + problem).
 3. The *catalogue* of a split keeps, per task type, the first N games (in a seeded order that cycles
    through the tuples), with whether ALFWorld's handcoded expert wins each within the episode's round
-   limit (``expert_filter`` keeps only those it wins, as before issue 17).
+   limit (``expert_filter`` keeps only those it wins, as in an earlier version).
 
 Scenes 10, 219, 308 and 424 are the test split (AgentBench holds them out); all others are train.
 Everything is deterministic in the task id, so any replica rebuilds any game from its id alone.
@@ -376,7 +376,7 @@ def build_catalogue(split: str, per_type: int, data_dir: str = "", max_steps: in
                     log: Any = None, filter_won: bool = False, progress: Any = None) -> dict[str, Any]:
     """The first ``per_type`` games of each task type (cached as a manifest), with the handcoded expert's
     result on each (``expert``: won within ``max_steps``, steps). ``filter_won`` keeps only games the expert
-    wins (the catalogue before issue 17, which hid the games it cannot win). ``progress`` (a
+    wins (the catalogue in an earlier version, which hid the games it cannot win). ``progress`` (a
     ``shared.progress.Progress`` over ``per_type * len(TASK_TYPES)`` games) is told each accepted game."""
     root = data_root(data_dir)
     from services.envs.alfworld_env.engine import EXPERT_VERSION
