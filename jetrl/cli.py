@@ -16,6 +16,7 @@
     jetrl reverify [--run-dir DIR] [--task T] [--section.key=value ...]   # grade stored episodes again
     jetrl config [--task T]   # every config key with its default and help; with a task, only
                               # what its env service reads: [env] and [env.<task>]
+    jetrl config --markdown [--check]   # the config reference page, docs/reference/config.md
     jetrl env-check TASK [--config FILE]   # a task's env against the env contract: oracle, bad calls, cancel
     jetrl topology [--config FILE]   # declare streams and buckets as the NATS admin (compose)
     jetrl secrets [--env compose/.env]   # per-role NATS passwords + status API token for compose
@@ -36,6 +37,8 @@ import sys
 
 from jetrl.access import cmd_creds
 from jetrl.compose_secrets import cmd_secrets
+from jetrl.configref import add_arguments as add_configref_arguments
+from jetrl.configref import run as run_configref
 from jetrl.envcheck import cmd_env_check
 from jetrl.errors import run_cli
 from jetrl.export import add_arguments as add_export_arguments
@@ -116,6 +119,7 @@ def _main(argv: list[str]) -> int:
     config.add_argument("--task", default=None, help="only what this task's env service reads: [env] and "
                                                      "[env.<task>] (any registered task)")
     config.add_argument("--config", default=None, help="a config whose [env.<task>] factory names the task")
+    add_configref_arguments(config)
     env_check = sub.add_parser("env-check", help="check a task's env against the env contract (oracle per split, bad "
                                                  "calls, cancel, health) over a real nats-server; exit 1 on a failure")
     env_check.add_argument("task")
@@ -164,6 +168,8 @@ def _main(argv: list[str]) -> int:
         return cmd_creds(args)
     if args.command == "schema":
         return run_schema(args)
+    if args.markdown:
+        return run_configref(args)
     print(describe(args.task, load_config(args.config).env))
     return 0
 
