@@ -20,9 +20,11 @@ Roles and what they may do (JetStream API, KV and object-store internals include
   transforms) past every other permission, and a consumer's settings decide what its service receives.
 
 No service role creates a durable consumer, and none reads back (consumer, direct get) a stream it writes
-(see the table's comment). Every role but admin gets its own inbox prefix (``_INBOX_<role>``) so no role
-can read another's replies, and ``allow_responses`` so responders answer only requests they received. Every
-service role may write its own role's registry keys (heartbeats) and publish dead letters.
+(see the table's comment). Every user but admin gets its own inbox prefix (``_INBOX_<user>``): a role's
+user, and under ``jetrl up`` one user per replica (``rollout-0``, ``env-db-1``: ``replica_user``), so no role
+or replica can read another's replies; ``allow_responses`` lets responders answer only requests they
+received. Every service user may write its role's registry keys (a replica's user: its own key alone) and
+publish dead letters.
 """
 
 from __future__ import annotations

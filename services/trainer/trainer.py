@@ -129,6 +129,8 @@ class Trainer:
             entry = await kv.get(self.subjects.policy_version_key)
             note = decode(entry.value or b"", WeightsAnnouncement)
             announced = (self.policy_verifier.check(note) if self.policy_verifier else note).version
+            if self.policy_verifier is not None and self.policy_verifier.key is not None:  # signed: it is ours
+                self.published_digests.setdefault(note.version, note.digest)  # turns still played with it are checked
         except Exception as exc:  # no version yet, or an unreadable entry: our own record still holds
             log.info("no_announced_version", detail=type(exc).__name__)
         highest = max(self.policy_version, self.run_state.recorded_version(), announced)
