@@ -144,7 +144,7 @@ async def test_a_rollout_loads_the_trainers_signed_weights_and_refuses_a_forged_
     fresh = Trainer(nc, js, subjects, config.trainer, trainer.model, tmp_path / "trainer", "trainer-2")
     fresh.policy_verifier = verifier_for(config.nats, "trainer")
     await fresh.adopt_announced_version()
-    assert fresh.policy_version == 1 and fresh.published_digests == {1: taken[0].digest}
+    assert fresh.policy_version == 1 and fresh.publisher.digests == {1: taken[0].digest}
 
 
 async def test_the_trainer_refuses_a_turn_that_names_other_weights_than_it_published(

@@ -10,6 +10,7 @@ import math
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Any
 
 import structlog
 from nats.aio.msg import Msg
@@ -53,6 +54,12 @@ class Group:
 
     def messages(self) -> list[Msg]:
         return [h.msg for h in self.items.values()]
+
+
+def vocab_size(model: Any) -> int | None:
+    """Rows of the model's input embedding: a token id at or past it would crash the forward pass."""
+    embeddings = getattr(model, "get_input_embeddings", None)
+    return int(embeddings().num_embeddings) if callable(embeddings) else None
 
 
 async def ack_all(msgs: list[Msg]) -> None:

@@ -15,8 +15,8 @@ from __future__ import annotations
 import asyncio
 import copy
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -30,15 +30,14 @@ from services.trainer.backend import Backend, TorchBackend
 from services.trainer.batch import plan_step, rl_batch
 from services.trainer.checkpoints import RunState
 from services.trainer.data_parallel import RankShare
-from services.trainer.intake import Group, Intake
+from services.trainer.intake import Group, Intake, vocab_size
 from services.trainer.records import EpisodeOutcome, StepRecorder, task_stats
 from services.trainer.weights import Publisher, export, trained_weights
 from shared.bus import judge_each
 from shared.config import TrainerConfig
 from shared.consumers import bind_durable, trainer_consumer
 from shared.lifecycle import supervise
-from shared.lm import PackedLM
-from shared.messages import Trajectory, WeightsAnnouncement, decode
+from shared.messages import Trajectory
 from shared.model import add_lora
 from shared.signing import Verifier
 from shared.subjects import Subjects
@@ -67,7 +66,7 @@ class Trainer:
         self.counters: dict[str, float] = {"train/dead_lettered": 0.0, "train/nonfinite_skipped": 0.0,
                                            "train/flat_groups": 0.0, "train/digest_mismatch": 0.0}
         self.publisher = Publisher(nc, js, subjects, cfg)
-        self.intake = Intake(js, subjects, cfg, self.counters, self.publisher.digests, _vocab_size(model))
+        self.intake = Intake(js, subjects, cfg, self.counters, self.publisher.digests, vocab_size(model))
         self.run_state = RunState(run_dir, cfg)
         self.recorder = StepRecorder(run_dir, nc, subjects, replica_id, cfg.steps)
 
@@ -92,14 +91,6 @@ class Trainer:
     def context_tokens(self, tokens: int) -> None:
         self.intake.context_tokens = tokens
 
-    @contextmanager
-    def _reference(self) -> Iterator[PackedLM]:
-        if self.lora:
-            with self.model.disable_adapter():
-                yield PackedLM(self.model)
-        else:
-            yield PackedLM(self.ref_model)
-
     def export(self, path: Path) -> None:
         """The final policy as a plain Hugging Face directory (LoRA merged in): ``--model.name=<path>``."""
         export(self.backend.published_model(), self.lora, path)
@@ -123,16 +114,7 @@ class Trainer:
     async def adopt_announced_version(self) -> None:
         """Resume above the highest version ever announced: the policy KV's (another trainer's, or ours
         announced after our last checkpoint) and our own record, whichever is higher."""
-        announced = 0
-        try:
-            kv = await self.js.key_value(self.subjects.policy_kv)
-            entry = await kv.get(self.subjects.policy_version_key)
-            note = decode(entry.value or b"", WeightsAnnouncement)
-            announced = (self.policy_verifier.check(note) if self.policy_verifier else note).version
-            if self.policy_verifier is not None and self.policy_verifier.key is not None:  # signed: it is ours
-                self.published_digests.setdefault(note.version, note.digest)  # turns still played with it are checked
-        except Exception as exc:  # no version yet, or an unreadable entry: our own record still holds
-            log.info("no_announced_version", detail=type(exc).__name__)
+        announced = await self.publisher.announced_version(self.policy_verifier)
         highest = max(self.policy_version, self.run_state.recorded_version(), announced)
         if highest != self.policy_version:
             log.info("policy_version_raised", checkpoint_version=self.policy_version, to=highest)
@@ -219,15 +201,10 @@ class Trainer:
             return {}
         stats: dict[str, Any] = {}
         batch = rl_batch(self.cfg, share, self.backend.all_reduce, stats)
-        reference = self._reference if self.cfg.kl_coef > 0 else None
+        reference = partial(update.reference_policy, self.model, self.ref_model) if self.cfg.kl_coef > 0 else None
         return stats | update.policy_update(self.backend, self.cfg, batch, ledger, reference, lr)
 
     def follow(self) -> None:
         """Ranks > 0: train the shares rank 0 sends until it stops."""
         self.backend.follow(lambda s: self.train_share(s, update.StepLedger(s.step + 1, self.counters)))
 
-
-def _vocab_size(model: Any) -> int | None:
-    """Rows of the model's input embedding: a token id at or past it would crash the forward pass."""
-    embeddings = getattr(model, "get_input_embeddings", None)
-    return int(embeddings().num_embeddings) if callable(embeddings) else None

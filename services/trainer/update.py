@@ -6,8 +6,8 @@ batch is all-reduced."""
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +25,16 @@ from shared.messages import Trajectory
 log = structlog.get_logger()
 
 Reference = Callable[[], AbstractContextManager[PackedLM]]  # the frozen policy the KL term is measured against
+
+
+@contextmanager
+def reference_policy(model: Any, ref_model: Any | None) -> Iterator[PackedLM]:
+    """The frozen policy the run started from: a copy of it, or with LoRA the model with its adapter off."""
+    if ref_model is not None:
+        yield PackedLM(ref_model)
+    else:
+        with model.disable_adapter():
+            yield PackedLM(model)
 
 
 def learning_rate(cfg: TrainerConfig, step: int) -> float:

@@ -15,9 +15,9 @@ from nats.js.api import ObjectMeta, ObjectMetaOptions
 from shared.bus import retrying
 from shared.config import TrainerConfig
 from shared.digest import digest
-from shared.messages import WeightsAnnouncement, encode
+from shared.messages import WeightsAnnouncement, decode, encode
 from shared.model import lora_delta_bytes, weights_to_bytes, weights_to_bytes_of
-from shared.signing import Signer
+from shared.signing import Signer, Verifier
 from shared.subjects import Subjects
 
 log = structlog.get_logger()
@@ -45,6 +45,21 @@ class Publisher:
         self.nc, self.js, self.subjects, self.cfg = nc, js, subjects, cfg
         self.signer: Signer | None = None  # signs announcements where the run has keys (shared/signing.py)
         self.digests: dict[int, str] = {}  # version -> digest we announced
+
+    async def announced_version(self, verifier: Verifier | None) -> int:
+        """The version in the policy KV (0 = none, or unreadable). A signed entry is ours: turns still
+        played with it are checked against its digest."""
+        try:
+            kv = await self.js.key_value(self.subjects.policy_kv)
+            entry = await kv.get(self.subjects.policy_version_key)
+            note = decode(entry.value or b"", WeightsAnnouncement)
+            announced = (verifier.check(note) if verifier else note).version
+            if verifier is not None and verifier.key is not None:
+                self.digests.setdefault(note.version, note.digest)
+            return announced
+        except Exception as exc:  # no version yet, or an unreadable entry: our own record still holds
+            log.info("no_announced_version", detail=type(exc).__name__)
+            return 0
 
     async def publish(self, model: Any, version: int) -> None:
         lora = self.cfg.lora_rank > 0
