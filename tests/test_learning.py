@@ -18,7 +18,7 @@ training tasks, warm start -> after RL; well-formed tool calls in brackets; wall
     5. 0.260 -> 0.417 (+15.7 points) [0.888 -> 0.798]  8.8 min
 
 The smallest gain was 15.7 points; the margin is half of it. Well-formed calls per turn fell in four of
-the five runs while success rose (not yet understood; docs/benchmarks/learning.md, round 5).
+the five runs while success rose (not yet understood; docs/history.md, learning benchmark round 5).
 
 On an AMD machine with AVX2 only (2 cores, ~15 min a run) the test failed twice, 0.250 -> 0.271 (run by
 a session) and 0.312 -> 0.281 (in CI): in the second, 3 of the 14 steps drew only groups whose 8 episodes
