@@ -167,7 +167,11 @@ def role_permissions(subjects: Subjects, role: str, user: str | None = None) -> 
     # every service: look its streams up, heartbeat under its own role's keys, dead-letter; a container's
     # healthcheck (shared/healthcheck.py) reads the registry's entries by message get
     heartbeats = s.registry_entries(role, "*" if user == role else user)  # a replica's user: its key alone
-    pub = [*_lookup(streams), heartbeats, s.dead_letter(">"), *_message_get(kv_registry)]
+    # dead letters under the role's own service name (the DLQ's bound is per subject, nats.dlq_max_per_origin):
+    # a flood from one role's credentials evicts only that role's letters. An env's name is env-<task>, which no
+    # wildcard can spell: env keeps dlq.* (docs/env-protocol.md)
+    letters = s.dead_letter("*") if role == "env" else s.dead_letter(role)
+    pub = [*_lookup(streams), heartbeats, letters, *_message_get(kv_registry)]
     sub = [inbox]
     if role == "trainer":
         pub += [s.weights_published, s.training_finished, s.metrics("trainer"),
