@@ -74,7 +74,7 @@ def hostile(rng: random.Random, good: dict) -> bytes:
         return msgspec.msgpack.encode(dict(good, v=rng.choice([0, 2, 10**9, "1"])))
     if pick == 7:
         field = rng.choice([k for k in good if k not in ("kind", "v")])
-        return msgspec.msgpack.encode(dict(good, **{field: rng.choice([None, -1, 10**20, "x" * 10_000, [[]], {}])}))
+        return msgspec.msgpack.encode(dict(good, **{field: rng.choice([None, -1, 2**64 - 1, "x" * 10_000, [[]], {}])}))
     if pick == 8:
         return msgspec.msgpack.encode(rng.choice([[1, 2], 3, "s", None, 1.5, b"b"]))
     if pick == 9:  # a trajectory with lengths that disagree or ids past any vocabulary
@@ -102,12 +102,13 @@ async def fuzz(url: str, run_dir: Path, prefix: str, count: int, seconds: float,
                (subjects.env_oracle("db", replica), "env_interact", "req"), (subjects.gen_pool(), "generate_request", "req")]
     rng = random.Random(seed)
     sink = nc.new_inbox()
-    replies = {"coded": 0, "other": 0}
+    replies: dict[str, int] = {}  # error code (or "ok") -> replies
 
     async def on_reply(msg) -> None:
-        replies["coded" if msg.headers and "Nats-Service-Error-Code" in msg.headers else "other"] += 1
+        code = (msg.headers or {}).get("Nats-Service-Error-Code", "ok")
+        replies[code] = replies.get(code, 0) + 1
 
-    await nc.subscribe(sink, cb=on_reply)
+    await nc.subscribe(f"{sink}.*", cb=on_reply)  # one reply subject a request: a responder may answer each once
     sent = 0
     started = time.monotonic()
     while sent < count and time.monotonic() - started < seconds:
@@ -117,17 +118,24 @@ async def fuzz(url: str, run_dir: Path, prefix: str, count: int, seconds: float,
             if how == "js":
                 await js.publish(subject, data, headers={"Nats-Msg-Id": f"fz-{sent}"})
             else:
-                await nc.publish(subject, data, reply=sink if how == "req" else "")
+                await nc.publish(subject, data, reply=f"{sink}.{sent}" if how == "req" else "")
         except Exception as exc:  # refused by the server (too big for a stream): counted, not fatal
             replies[type(exc).__name__] = replies.get(type(exc).__name__, 0) + 1
         sent += 1
         if sent % 200 == 0:
             await nc.flush()
     await nc.flush()
-    await asyncio.sleep(3.0)
+    fuzz_s = round(time.monotonic() - started, 1)
+    requests = sum(1 for i in range(sent) if targets[i % len(targets)][2] == "req")
+    settled, last = time.monotonic(), -1
+    while time.monotonic() - settled < 60 and sum(replies.values()) < requests:  # the replicas catch up
+        if sum(replies.values()) != last:
+            last, quiet = sum(replies.values()), time.monotonic()
+        elif time.monotonic() - quiet > 10:
+            break
+        await asyncio.sleep(0.5)
     await nc.close()
-    return {"messages": sent, "subjects": len(targets), "fuzz_s": round(time.monotonic() - started, 1),
-            "replies": replies}
+    return {"messages": sent, "subjects": len(targets), "fuzz_s": fuzz_s, "requests": requests, "replies": replies}
 
 
 def main() -> None:
@@ -157,6 +165,10 @@ def main() -> None:
         while steps_done(run_dir) < after_fuzz + 2 and time.monotonic() < deadline and up.poll() is None:
             time.sleep(1.0)
         restarts = json.loads((run_dir / "restarts.json").read_text()) if (run_dir / "restarts.json").exists() else {}
+        logs = {p.stem: p.read_text(errors="replace") for p in (run_dir / "logs").glob("*.log")}
+        figures.update(dead_letters={n: text.count("event='dead_letter'") for n, text in logs.items()},
+                       task_failed=sum(text.count("task_failed") for text in logs.values()),
+                       tracebacks=sum(text.count("Traceback") for text in logs.values()))
         figures.update(steps=[before, after_fuzz, steps_done(run_dir)], restarts=restarts, run_dir=str(root),
                        still_training=steps_done(run_dir) >= after_fuzz + 2 and up.poll() is None)
         print(json.dumps(figures))

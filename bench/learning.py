@@ -9,7 +9,8 @@
    sampled pass (``--eval-samples`` attempts per task at T = 1), per task, level and kind.
 3. **RL variants**, each ``jetrl up`` from the warm-start model (same steps, same time limit), then the same
    probe of its final model: ``full`` (task normalisation + cross-policy sampling with a stale engine),
-   ``no_task_norm``, ``no_cross_policy``, and ``expert-<task>`` (the full recipe on one task only).
+   ``no_task_norm``, ``no_cross_policy``, ``expert-<task>`` (the full recipe on one task only), and
+   ``sampler`` (``full`` with the learnability task sampler, to set beside ``full``: flat groups and gains).
 4. **Report**: ``<out>/results.json``, a markdown table per pass (printed, and written into
    ``docs/benchmarks/learning.md`` between the ``<!-- results:begin/end -->`` markers with ``--write-doc``):
    success with a 95 % bootstrap interval over the evaluated tasks, and each variant's change against the
@@ -37,7 +38,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 JETRL = [sys.executable, "-m", "jetrl.cli"]
-VARIANTS = ("full", "no_task_norm", "no_cross_policy", "experts")
+VARIANTS = ("full", "no_task_norm", "no_cross_policy", "experts", "sampler")
 
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -188,6 +189,9 @@ class Bench:
             elif v == "no_cross_policy":
                 plan.append(("no_cross_policy", tasks, ["--trainer.task_norm=scale",
                                                         "--rollout.cross_policy_prob=0"], 0))
+            elif v == "sampler":
+                plan.append(("sampler", tasks, ["--trainer.task_norm=scale", "--controller.task_sampler=learnability",
+                                                *cross], self.args.stale_engines))
             elif v == "experts":
                 for t in tasks:
                     plan.append((f"expert-{t}", [t], ["--trainer.task_norm=scale", *cross], self.args.stale_engines))

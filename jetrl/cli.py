@@ -16,6 +16,7 @@
     jetrl reverify [--run-dir DIR] [--task T] [--section.key=value ...]   # grade stored episodes again
     jetrl config [--task T]   # every config key with its default and help; with a task, only
                               # what its env service reads: [env] and [env.<task>]
+    jetrl config --markdown [--check]   # the config reference page, docs/reference/config.md
     jetrl env-check TASK [--config FILE]   # a task's env against the env contract: oracle, bad calls, cancel
     jetrl topology [--config FILE]   # declare streams and buckets as the NATS admin (compose)
     jetrl secrets [--env compose/.env]   # per-role NATS passwords + status API token for compose
@@ -49,6 +50,8 @@ from typing import Any
 import structlog
 
 from jetrl.access import close_status_api, cmd_creds, dashboard_link
+from jetrl.configref import add_arguments as add_configref_arguments
+from jetrl.configref import run as run_configref
 from jetrl.errors import CliError, run_cli
 from jetrl.export import add_arguments as add_export_arguments
 from jetrl.export import cmd_export
@@ -799,6 +802,7 @@ def _main(argv: list[str]) -> int:
     config.add_argument("--task", default=None, help="only what this task's env service reads: [env] and "
                                                      "[env.<task>] (any registered task)")
     config.add_argument("--config", default=None, help="a config whose [env.<task>] factory names the task")
+    add_configref_arguments(config)
     env_check = sub.add_parser("env-check", help="check a task's env against the env contract (oracle per split, bad "
                                                  "calls, cancel, health) over a real nats-server; exit 1 on a failure")
     env_check.add_argument("task")
@@ -851,6 +855,8 @@ def _main(argv: list[str]) -> int:
         return cmd_creds(args)
     if args.command == "schema":
         return run_schema(args)
+    if args.markdown:
+        return run_configref(args)
     print(describe(args.task, load_config(args.config).env))
     return 0
 

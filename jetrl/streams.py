@@ -43,7 +43,7 @@ from shared.auth import generate_passwords, server_authorization
 from shared.bus import connect
 from shared.config import NatsConfig, load_config
 from shared.messages import BadMessage, Trajectory, decode
-from shared.natsd import EmbeddedNats
+from shared.natsd import EmbeddedNats, StoreInUse
 from shared.subjects import Subjects, check_token
 
 log = structlog.get_logger()
@@ -282,7 +282,10 @@ def open_run(run_dir: str | Path, overrides: Sequence[str] = ()) -> Iterator[Run
     if cfg.nats.auth_dir:  # the run's users, read back from their password files
         authorization = server_authorization(Subjects(cfg.nats.prefix), generate_passwords(cfg.nats.auth_dir))
     server = EmbeddedNats(store, authorization=authorization, log_file=store / "nats-server.reopened.log")
-    local = server.start()
+    try:
+        local = server.start()
+    except StoreInUse as exc:  # the run's own server is there after all (restarting): never a second one on its store
+        raise CliError(str(exc)) from None
     try:
         yield RunAccess(local, cfg.nats, restarted=True)
     finally:

@@ -20,9 +20,11 @@ Roles and what they may do (JetStream API, KV and object-store internals include
   transforms) past every other permission, and a consumer's settings decide what its service receives.
 
 No service role creates a durable consumer, and none reads back (consumer, direct get) a stream it writes
-(see the table's comment). Every role but admin gets its own inbox prefix (``_INBOX_<role>``) so no role
-can read another's replies, and ``allow_responses`` so responders answer only requests they received. Every
-service role may write its own role's registry keys (heartbeats) and publish dead letters.
+(see the table's comment). Every user but admin gets its own inbox prefix (``_INBOX_<user>``): a role's
+user, and under ``jetrl up`` one user per replica (``rollout-0``, ``env-db-1``: ``replica_user``), so no role
+or replica can read another's replies; ``allow_responses`` lets responders answer only requests they
+received. Every service user may write its role's registry keys (a replica's user: its own key alone) and
+publish dead letters.
 """
 
 from __future__ import annotations
@@ -165,7 +167,11 @@ def role_permissions(subjects: Subjects, role: str, user: str | None = None) -> 
     # every service: look its streams up, heartbeat under its own role's keys, dead-letter; a container's
     # healthcheck (shared/healthcheck.py) reads the registry's entries by message get
     heartbeats = s.registry_entries(role, "*" if user == role else user)  # a replica's user: its key alone
-    pub = [*_lookup(streams), heartbeats, s.dead_letter(">"), *_message_get(kv_registry)]
+    # dead letters under the role's own service name (the DLQ's bound is per subject, nats.dlq_max_per_origin):
+    # a flood from one role's credentials evicts only that role's letters. An env's name is env-<task>, which no
+    # wildcard can spell: env keeps dlq.* (docs/env-protocol.md)
+    letters = s.dead_letter("*") if role == "env" else s.dead_letter(role)
+    pub = [*_lookup(streams), heartbeats, letters, *_message_get(kv_registry)]
     sub = [inbox]
     if role == "trainer":
         pub += [s.weights_published, s.training_finished, s.metrics("trainer"),

@@ -326,6 +326,14 @@ class ControllerConfig:
     max_backlog: int = opt(256, "publishing pauses while this many finished trajectories wait for the trainer "
                                 "(its consumer's pending + unacked); bounds wasted rollouts and staleness; 0 = no bound")
     temperature: float = opt(1.0, "sampling temperature for training episodes")
+    task_sampler: str = opt("mix", "how training groups are drawn: mix (tasks in the exact shares of tasks, task ids "
+                                   "uniformly) | learnability (tasks and levels weighted by p(1-p) of their recent "
+                                   "success, mixed with the shares: services/controller/sampler.py)")
+    sampler_window: int = opt(64, "learnability sampler: recent training episodes per task and per level it counts")
+    sampler_floor: float = opt(0.02, "learnability sampler: least weight p(1-p) counts as (0.25 at p = 1/2), so an "
+                                     "always-solved or never-solved task or level is still drawn now and then")
+    sampler_mix: float = opt(0.2, "learnability sampler: share of draws that follow the configured mix (tasks) and "
+                                  "uniform task ids (levels) whatever the success; 1 = the mix alone")
     http_host: str = opt("127.0.0.1", "status API bind address")
     http_port: int = opt(0, "status API port; 0 = pick a free one (written to the run dir)")
     episode_timeout_s: float = opt(3600.0, "an episode unfinished this long after publishing is written off as lost")
@@ -548,6 +556,13 @@ def validate(cfg: JetRLConfig) -> None:
     """Cross-field checks and derived values, in one place."""
     if cfg.controller.group_size < 1:
         raise ConfigError("controller.group_size must be >= 1")
+    if cfg.controller.task_sampler not in ("mix", "learnability"):
+        raise ConfigError(f"controller.task_sampler must be mix or learnability, got {cfg.controller.task_sampler!r}")
+    if cfg.controller.sampler_window < 1 or not 0.0 <= cfg.controller.sampler_floor <= 0.25 \
+            or not 0.0 <= cfg.controller.sampler_mix <= 1.0:
+        raise ConfigError("controller.sampler_window must be >= 1, sampler_floor in [0, 0.25] and sampler_mix in "
+                          f"[0, 1]; got {cfg.controller.sampler_window}, {cfg.controller.sampler_floor}, "
+                          f"{cfg.controller.sampler_mix}")
     if any(w < 0 for w in cfg.controller.tasks.values()):
         raise ConfigError(f"controller.tasks must map tasks to non-negative shares, got {cfg.controller.tasks}")
     if cfg.trainer.min_groups < 1 or cfg.trainer.max_groups < cfg.trainer.min_groups:

@@ -38,6 +38,7 @@ from nats.js.errors import NotFoundError
 
 from services.controller.board import RunBoard
 from services.controller.report import eval_report
+from services.controller.sampler import LearnabilitySampler
 from services.controller.sources import Replicas, checked_report
 from shared.bus import TRANSIENT, dead_letter, decode_or_dead_letter, judge_each, publish_retrying
 from shared.config import JetRLConfig
@@ -47,6 +48,7 @@ from shared.lifecycle import supervise
 from shared.messages import (
     BadMessage,
     EpisodeJob,
+    EpisodeStatus,
     MetricsReport,
     RunControl,
     TrainingFinished,
@@ -90,25 +92,31 @@ class Planner:
     A task left out of ``eligible`` (its lane is full) loses its turn to the others, but keeps earning
     credit; with ``lead`` > 0 no task runs more than ``lead`` groups ahead of its share (then the planner
     waits for the blocked one: shares stay near the weights); ``lead`` = 0 never waits (a stuck task's
-    share goes to the others)."""
+    share goes to the others). With a ``sampler`` the shares and the task-id draws follow its weights,
+    recomputed at every group (services/controller/sampler.py)."""
 
-    def __init__(self, mix: dict[str, float], task_ids: dict[str, list[str]], seed: int, lead: int = 0) -> None:
+    def __init__(self, mix: dict[str, float], task_ids: dict[str, list[str]], seed: int, lead: int = 0,
+                 sampler: LearnabilitySampler | None = None) -> None:
         self.mix = {t: w for t, w in mix.items() if w > 0}
         self.task_ids = task_ids
         self.credit = {t: 0.0 for t in self.mix}
         self.rng = random.Random(seed)
         self.lead = lead
+        self.sampler = sampler
 
     def next_group(self, eligible: set[str] | None = None) -> tuple[str, str] | None:
-        total = sum(self.mix.values())
-        tasks = [t for t in self.mix if (eligible is None or t in eligible)
-                 and (not self.lead or self.credit[t] + self.mix[t] - total >= -self.lead * total)]
+        mix = self.sampler.task_weights() if self.sampler is not None else self.mix
+        total = sum(mix.values())
+        tasks = [t for t in mix if (eligible is None or t in eligible)
+                 and (not self.lead or self.credit[t] + mix[t] - total >= -self.lead * total)]
         if not tasks:
             return None
-        for t in self.mix:
-            self.credit[t] += self.mix[t]
+        for t in mix:
+            self.credit[t] += mix[t]
         task = max(tasks, key=lambda t: self.credit[t])
         self.credit[task] -= total
+        if self.sampler is not None:
+            return task, self.sampler.choose_task_id(task, self.task_ids[task], self.rng)
         return task, self.rng.choice(self.task_ids[task])
 
 
@@ -145,6 +153,10 @@ class Controller:
         self.eval_planned: dict[str, int] = {}  # eval mode: episodes per task the run will publish
         self.board = RunBoard(subjects)  # what the dashboard and the trajectory viewer show
         self._failure_announcer: asyncio.Task[None] | None = None
+        c = cfg.controller
+        self.sampler = (LearnabilitySampler(c.tasks, c.sampler_window, c.sampler_floor, c.sampler_mix)
+                        if c.task_sampler == "learnability" and c.mode == "train" and any(w > 0 for w in c.tasks.values())
+                        else None)
 
     # ------------------------------------------------------------------ plan and publish
     async def fetch_task_ids(self, timeout_s: float = 120.0, split: str = "train",
@@ -201,7 +213,8 @@ class Controller:
 
     async def publish_jobs(self, stop: asyncio.Event) -> None:
         task_ids = await self.fetch_task_ids(self.cfg.controller.env_wait_s)
-        planner = Planner(self.cfg.controller.tasks, task_ids, self.cfg.run.seed, self.cfg.controller.lane_lead)
+        planner = Planner(self.cfg.controller.tasks, task_ids, self.cfg.run.seed, self.cfg.controller.lane_lead,
+                          self.sampler)
         self.state = "running"
         await self.nc.publish(self.subjects.run_control, self.control(RunControl(event="started", info={
             "tasks": {t: len(ids) for t, ids in task_ids.items()}, "sync": self.cfg.controller.sync})))
@@ -429,6 +442,9 @@ class Controller:
         book.turns += len(traj.turns)
         book.generated_tokens += sum(traj.loss_mask)
         book.statuses[traj.status] += 1
+        if (self.sampler is not None and traj.split == "train" and not traj.group_id.startswith("eval-")
+                and traj.status != EpisodeStatus.ENV_ERROR):  # an env failure says nothing of the policy
+            self.sampler.observe(traj.task, traj.task_id, traj.level, traj.success)
         if traj.group_id.startswith("eval-"):
             name = traj.group_id.split("-")[1]  # eval-<pass>-<task>-...
             if name in self.eval_results:
@@ -530,6 +546,7 @@ class Controller:
             "eval_planned": self.eval_planned,
             "service_restarts": restarts,
             "inflight_by_task": {t: n for t, n in sorted(self.inflight_by_task.items()) if n},
+            "sampler": self.sampler.snapshot() if self.sampler is not None else None,  # learnability weights
             "sync": {"batches": len(self.sync_batches),
                      "gen_s_mean": _mean([b.gen_s for b in self.sync_batches]),
                      "train_wait_s_mean": _mean([b.train_wait_s for b in self.sync_batches])}

@@ -191,6 +191,7 @@ function renderDashboard(d) {
     ["task", "published", "finished", "success", "recent success", "mean reward"],
     tasks.map(([t, x]) => [t, x.published, x.finished, fmt(x.success_rate), fmt(x.recent_success_rate), fmt(x.mean_reward)]),
     { numeric: [1, 2, 3, 4, 5], class: "tasks", empty: "no episodes published yet" }));
+  renderSampler(st.sampler);
   document.getElementById("cards").replaceChildren(...cards.map(([k, v]) =>
     h("div", { class: "card", "data-key": k }, h("div", { class: "v" }, v), h("div", { class: "k" }, k))));
 
@@ -223,6 +224,22 @@ function renderDashboard(d) {
   const dlq = Object.entries(d.dlq);
   document.getElementById("table-dlq").replaceChildren(table(["service", "dead letters"], dlq, { numeric: [1], empty: "none" }));
   document.getElementById("updated").textContent = "updated " + new Date(d.server_time * 1000).toLocaleTimeString();
+}
+
+function renderSampler(sampler) {
+  // null: the configured mix alone (controller.task_sampler = "mix")
+  document.getElementById("sampler").hidden = !sampler;
+  if (!sampler) return;
+  const rows = [];
+  for (const [t, x] of Object.entries(sampler.tasks)) {
+    rows.push([t, "", fmt(x.configured), fmt(x.weight), x.episodes, fmt(x.success), fmt(x.learnability)]);
+    for (const [level, l] of Object.entries(x.levels)) {
+      rows.push([t, level, "", "", l.episodes, fmt(l.success), fmt(l.learnability)]);
+    }
+  }
+  document.getElementById("table-sampler").replaceChildren(table(
+    ["task", "level", "configured", "weight", `episodes (last ${sampler.window})`, "success p", "p(1-p)"],
+    rows, { numeric: [2, 3, 4, 5, 6], class: "sampler" }));
 }
 
 async function refreshDashboard() {
