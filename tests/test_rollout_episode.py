@@ -3,7 +3,7 @@ turns, reward, status, conversation, tools) and the action and observation event
 each turn source against the sums env on a real nats-server: the env's oracle, the tiny model greedy
 (token in, token out), and the tiny model behind the OpenAI chat API (``jetrl serve``'s app, in process).
 
-The expected records are in ``tests/golden/rollout_episodes.json``, written by a run of this test with
+The expected records are in ``tests/data/rollout_episodes_pin.json``, written by a run of this test with
 ``JETRL_WRITE_GOLDEN=1``; every field is compared except the clock's (``created_at``, ``ts``,
 ``metrics.duration_s``). A change in what an episode records shows here as the field that moved."""
 
@@ -18,6 +18,7 @@ from typing import Any
 
 import msgspec
 import pytest
+import torch
 import uvicorn
 
 from services.envs.host import EnvHost
@@ -29,7 +30,7 @@ from shared.messages import ActionEvent, EpisodeJob, ObservationEvent, Trajector
 from shared.model import load_tokenizer, quiet_transformers, resolve_model
 from tests.sums_env import SumEnv
 
-GOLDEN = Path(__file__).parent / "golden" / "rollout_episodes.json"
+GOLDEN = Path(__file__).parent / "data" / "rollout_episodes_pin.json"
 CLOCK_FIELDS = ("created_at", "ts")
 LOGPROB_TOLERANCE = 1e-4  # float order on another CPU; the token ids themselves must match exactly
 
@@ -94,7 +95,9 @@ def tiny() -> Any:
     quiet_transformers()
     path = resolve_model(ModelConfig())
     tokenizer = load_tokenizer(path)
+    threads = torch.get_num_threads()
     engine = HFEngine(path, "hf-pinned", [tokenizer.convert_tokens_to_ids("<|im_end|>")], tokenizer.pad_token_id)
+    torch.set_num_threads(threads)  # the engine set this thread's count too: later tests' float order is theirs
     yield tokenizer, engine
     engine.close()
 
