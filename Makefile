@@ -64,6 +64,12 @@ test: venv system-deps
 lint: venv
 	$(BIN)/ruff check shared services jetrl tests bench
 
+# The docs site (mkdocs.yml) into site/, --strict as tests/test_docs.py builds it in `make test`;
+# `.venv/bin/mkdocs serve` to read it while writing
+.PHONY: docs
+docs: venv
+	$(BIN)/mkdocs build --strict
+
 # RL makes SmolLM2 better through every service (~10 min on 2 cores): tests/test_learning.py
 test-learning: venv system-deps
 	$(BIN)/python -m pytest -q -ra -m learning tests/test_learning.py

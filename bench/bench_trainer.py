@@ -10,7 +10,7 @@ sampled episodes do. Variants, each one RL step (advantages from rewards 0/1 wit
 * ``padded+proximal, full`` — the path in an earlier version (copied below as the baseline): padded
   micro-batches, every trajectory runs its whole opening, a second forward pass for the proximal
   logprobs, every parameter trained;
-* ``shared prefix, full`` — ``Trainer._optimise`` with ``trainer.shared_prefix`` and no redundant pass;
+* ``shared prefix, full`` — ``Trainer.optimise`` with ``trainer.shared_prefix`` and no redundant pass;
 * ``shared prefix, LoRA r`` — the same with ``trainer.lora_rank`` (only the adapter trains).
 
 Medians of ``--repeats`` steps after one warm-up step.
@@ -172,7 +172,7 @@ def main() -> None:
             cfg = TrainerConfig(lr=1e-6, lora_rank=lora, micro_batch_tokens=args.micro_batch_tokens)
             trainer = Trainer(None, None, Subjects("bench"), cfg, load_model(path), Path(tmp), "bench")  # type: ignore[arg-type]
             stats: dict[str, Any] = {}
-            results[name] = timed(lambda t=trainer: stats.update(t._optimise(trajs)), args.repeats)  # noqa: B023
+            results[name] = timed(lambda t=trainer: stats.update(t.optimise(trajs)[0]), args.repeats)  # noqa: B023
             print(f"{name}: {results[name]:.1f} s ({stats.get('train/packed_rows', 0):.0f} packed rows)", flush=True)
     base = results["padded+proximal, full (before)"]
     print("\n| trainer path | s per step | s per group of 8 | speed-up |\n|---|---|---|---|")

@@ -7,7 +7,7 @@ Needs DeepSpeed (``make venv-deepspeed``). The batch is ``--groups`` x ``--group
 (``bench/bench_trainer.py``'s, token for token as the rollout renders them). Each configuration runs in
 its own processes, one after the other: the plain torch trainer (one process), then the DeepSpeed
 backend under torchrun at each ``--ranks`` (gloo on the CPU, NCCL where there are GPUs), every rank with
-one torch thread. Each times ``--repeats`` steps (``Trainer._optimise``: plan, scatter, forward, backward,
+one torch thread. Each times ``--repeats`` steps (``Trainer.optimise``: plan, scatter, forward, backward,
 all-reduce, optimizer step) after one warm-up step, on rank 0; the medians are printed side by side.
 """
 
@@ -21,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,20 +51,19 @@ def worker(args: argparse.Namespace) -> None:
     trajs = db_trajectories(load_tokenizer(path), args.groups, args.group_size)
     model = load_model(path)
     run_dir = Path(args.out).parent
-    cls: type[Trainer] = Trainer
+    make: Callable[..., Trainer] = Trainer
     if args.backend == "deepspeed":
         from services.trainer.deepspeed_backend import start_ranks
 
-        cls = start_ranks(cfg, model, run_dir)  # ranks > 0 follow rank 0 in here and exit
-    trainer = cls(None, None, Subjects("bench"), cfg.trainer, model, run_dir, "bench")  # type: ignore[arg-type]
+        make = start_ranks(cfg, model, run_dir)  # ranks > 0 follow rank 0 in here and exit
+    trainer = make(None, None, Subjects("bench"), cfg.trainer, model, run_dir, "bench")  # type: ignore[arg-type]
     times, cpu, stats = [], [], {}
     for _ in range(1 + args.repeats):
         wall, used = time.perf_counter(), time.process_time()
-        stats = trainer._optimise(trajs)
+        stats, _ = trainer.optimise(trajs)
         times.append(time.perf_counter() - wall)
         cpu.append(time.process_time() - used)
-    if args.backend == "deepspeed":
-        trainer.stop_followers()  # type: ignore[attr-defined]
+    trainer.backend.close()  # the other ranks stop
     Path(args.out).write_text(json.dumps({
         "step_s": times[1:], "rank0_cpu_s": cpu[1:], "tokens": sum(len(t.tokens) for t in trajs),
         "trained": stats.get("train/tokens"), "rank_tokens_min": stats.get("train/rank_tokens_min"),

@@ -253,7 +253,7 @@ async def into_replica(nc: Any, js: Any, subjects: Subjects, model_name: str, dt
                 data = await asyncio.to_thread(weights_to_bytes, model, dtype)
             serialise_s = time.perf_counter() - started
             name = f"policy-{model_name}-{fmt}-{dtype}"
-            # 1 MiB chunks, as the trainer writes them (services/trainer/trainer.py)
+            # 1 MiB chunks, as the trainer writes them (services/trainer/weights.py)
             meta = ObjectMeta(name=name, options=ObjectMetaOptions(max_chunk_size=1024 * 1024))
             put_s, _ = await _timed(lambda: store.put(name, data, meta=meta), 1)  # noqa: B023
             started = time.perf_counter()

@@ -4,7 +4,7 @@
 
 Greedy by default. No services: the db env in process, ChatML rendering and tool-call parsing from
 ``shared/chat.py``, the same stop token and turn limit of 96 new tokens as the rollout. It is
-how the warm-start checkpoints of docs/benchmarks/learning.md (round 3) were looked at by hand; a
+how the warm-start checkpoints of docs/history.md (learning benchmark, round 3) were looked at by hand; a
 checkpoint directory (``model.safetensors`` only) needs the config and tokenizer files of the model it
 came from copied beside it.
 """

@@ -69,7 +69,7 @@ def test_dockerfile_copies_what_exists_and_runs_as_non_root() -> None:
 def test_compose_healthchecks_dashboard_port_and_scalable_services() -> None:
     """Every JetRL service has a healthcheck that runs a real module; the controller publishes the
     dashboard's port and checks its HTTP API; rollout and env-* scale with --scale (no fixed host port,
-    no container_name), as README documents."""
+    no container_name), as docs/operations/compose.md documents."""
     spec = yaml.safe_load(COMPOSE.read_text())
     services = spec["services"]
     for name, svc in services.items():
@@ -87,8 +87,8 @@ def test_compose_healthchecks_dashboard_port_and_scalable_services() -> None:
     assert "env-db" in scalable
     for name in scalable:
         assert "ports" not in services[name] and "container_name" not in services[name], name
-    readme = (REPO / "README.md").read_text()
-    assert "--scale rollout=" in readme and "--scale env-db=" in readme
+    guide = (REPO / "docs" / "operations" / "compose.md").read_text()
+    assert "--scale rollout=" in guide and "--scale env-db=" in guide
 
 
 def test_local_profile_puts_every_service_on_the_host_network_off_the_host_nats_ports() -> None:

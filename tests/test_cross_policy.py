@@ -10,8 +10,9 @@ import torch
 from services.envs.host import EnvHost
 from services.rollout.engine import HFEngine
 from services.rollout.worker import RolloutWorker
+from services.trainer.intake import Group
 from services.trainer.packing import pack, packed_logprobs
-from services.trainer.trainer import Group, Trainer
+from services.trainer.trainer import Trainer
 from shared.config import EnvConfig, ModelConfig
 from shared.envapi import EnvClient
 from shared.lm import PackedLM
@@ -118,6 +119,6 @@ async def test_trajectory_mixes_two_engines_and_versions(nc, config, subjects, m
     assert not torch.allclose(prox[trained_versions == 0], behav[trained_versions == 0], atol=1e-2)
     group = Group("gx", 2)
     for t in trajs:
-        group.items[t.episode_id] = (t, _Msg())
+        group.add(t, _Msg())
     stats = await trainer.train_step([group])
     assert stats["train/staleness_max"] == 1.0 and stats["train/tokens"] == float(len(trained_versions))

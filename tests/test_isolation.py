@@ -146,13 +146,13 @@ async def test_the_trainer_judges_each_trajectory_alone(nc, config, subjects, ti
     stop = asyncio.Event()
     running = asyncio.create_task(trainer.run(stop))
     try:
-        await until(lambda: set(trainer.groups.get("g").items if "g" in trainer.groups else ()) == {"a", "b"})
+        await until(lambda: set(trainer.intake.groups.get("g").items if "g" in trainer.intake.groups else ()) == {"a", "b"})
         dead = await letters(js, subjects, 3)
         assert [d.service for d in dead] == ["trainer"] * 3 and trainer.counters["train/dead_lettered"] == 3
         assert "expected a msgpack map" in dead[0].reason and "nested too deep" in dead[1].reason
         assert dead[2].reason.startswith("trajectory: 7 tokens, more than the 6 the trainer takes for task 'db'")
         trainer.cfg.max_tokens = {}  # unset: the rollout's context limit
-        assert trainer.token_limit("db") == config.rollout.max_context_tokens == trainer.context_tokens
+        assert trainer.intake.token_limit("db") == config.rollout.max_context_tokens == trainer.context_tokens
     finally:
         stop.set()
         await asyncio.wait_for(running, 10.0)

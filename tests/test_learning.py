@@ -10,21 +10,19 @@ asynchronous pipeline still varies, so runs differ.
 The margin below held in 5 of 5 local repetitions on this 2-core machine (sampled success on the 16
 training tasks, warm start -> after RL; well-formed tool calls in brackets; wall time of the test):
 
-    1. 0.250 -> 0.531 (+28.1 points) [0.820 -> 0.889]  8.7 min  (this run probed from the test itself,
-       with the same settings, before the probes moved into the quickstart)
+    1. 0.250 -> 0.531 (+28.1 points) [0.820 -> 0.889]  8.7 min  (probed by the test itself, same settings)
     2. 0.281 -> 0.448 (+16.7 points) [0.905 -> 0.814]  9.6 min
     3. 0.260 -> 0.490 (+23.0 points) [0.901 -> 0.881]  9.3 min
     4. 0.240 -> 0.438 (+19.8 points) [0.874 -> 0.813]  9.0 min
     5. 0.260 -> 0.417 (+15.7 points) [0.888 -> 0.798]  8.8 min
 
 The smallest gain was 15.7 points; the margin is half of it. Well-formed calls per turn fell in four of
-the five runs while success rose (not yet understood; docs/benchmarks/learning.md, round 5).
+the five runs while success rose (not yet understood; docs/history.md, learning benchmark round 5).
 
-On an AMD machine with AVX2 only (2 cores, ~15 min a run) the test failed twice, 0.250 -> 0.271 (run by
-a session) and 0.312 -> 0.281 (in CI): in the second, 3 of the 14 steps drew only groups whose 8 episodes
-all failed, so they changed nothing, and other steps trained on one group with signal. Since
-``trainer.filter_flat_groups`` (on in configs/quickstart.toml) such groups are left out and every step
-trains on two with signal; there:
+On an AMD machine with AVX2 only (2 cores, ~15 min a run) about a third of the groups are flat (all 8
+episodes one reward: no signal); ``trainer.filter_flat_groups`` (on in configs/quickstart.toml) leaves them
+out, so every step trains on two groups with signal (without it the test failed there twice, 0.250 -> 0.271
+and 0.312 -> 0.281: docs/history.md). There:
 
     0.219 -> 0.521 (+30.2 points) [0.888 -> 0.874]  14.9 min  (make test-learning)
     0.250 -> 0.531 (+28.1 points) [0.865 -> 0.873]  14.4 min  (make test-learning)

@@ -26,11 +26,11 @@ async def test_trainer_writes_tensorboard_events_with_the_metrics_jsonl_keys(nc,
     event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator",
                                             reason="PyPI tensorboard is not installed")
     trainer = Trainer(nc, nc.jetstream(), subjects, config.trainer, torch.nn.Linear(1, 1), tmp_path, "trainer-t")
-    assert trainer.tensorboard is not None
+    assert trainer.recorder.tensorboard is not None
     for step, success in ((1, 0.25), (2, 0.75)):
-        trainer.step = trainer.policy_version = step
-        trainer._record({"train/trajectories": 8.0, "train/step_s": 1.5, "train/loss": -0.01 * step,
-                         "task/db/success": success, "task/db/adv_hist": [0, 1, 2, 3, 4, 4, 3, 2, 1, 0]})
+        trainer.recorder.record(step, step, {"train/trajectories": 8.0, "train/step_s": 1.5,
+                                             "train/loss": -0.01 * step, "task/db/success": success,
+                                             "task/db/adv_hist": [0, 1, 2, 3, 4, 4, 3, 2, 1, 0]})
     await asyncio.sleep(0.1)  # the metrics publish the trainer schedules
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     acc = event_accumulator.EventAccumulator(str(tmp_path), size_guidance={"scalars": 0, "histograms": 0})

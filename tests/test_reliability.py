@@ -204,12 +204,12 @@ def traj(tokens: list[int], mask: list[int], turns: list[tuple[int, int]], **ove
 
 def test_the_trainer_refuses_what_the_schema_cannot_see(tiny_model: Any, tmp_path: Path) -> None:
     trainer = Trainer(None, None, Subjects("t"), JetRLConfig().trainer, tiny_model, tmp_path, "t")
-    vocab = trainer.vocab_size
+    vocab = trainer.intake.vocab_size
     assert vocab and vocab > 1000
-    assert trainer.check(traj([1, 2, 3, 4], [0, 0, 1, 1], [(2, 4)])) is None
-    assert "outside the vocabulary" in trainer.check(traj([1, 2, vocab, 4], [0, 0, 1, 1], [(2, 4)]))
-    assert "outside every turn span" in trainer.check(traj([1, 2, 3, 4], [0, 1, 1, 1], [(2, 4)]))
-    assert "overlaps" in trainer.check(traj([1, 2, 3, 4, 5], [0, 0, 1, 1, 1], [(2, 4), (3, 5)]))
+    assert trainer.intake.check(traj([1, 2, 3, 4], [0, 0, 1, 1], [(2, 4)])) is None
+    assert "outside the vocabulary" in trainer.intake.check(traj([1, 2, vocab, 4], [0, 0, 1, 1], [(2, 4)]))
+    assert "outside every turn span" in trainer.intake.check(traj([1, 2, 3, 4], [0, 1, 1, 1], [(2, 4)]))
+    assert "overlaps" in trainer.intake.check(traj([1, 2, 3, 4, 5], [0, 0, 1, 1, 1], [(2, 4), (3, 5)]))
 
 
 def test_a_non_finite_loss_skips_the_step_and_is_counted(tiny_model: Any, tmp_path: Path) -> None:
@@ -224,8 +224,8 @@ def test_a_non_finite_loss_skips_the_step_and_is_counted(tiny_model: Any, tmp_pa
         model.get_input_embeddings().weight[5].fill_(float("nan"))  # a poisoned row: NaN logits for token 5
     before = {k: v.clone() for k, v in model.named_parameters()}
     group = [traj([1, 5, 3, 4], [0, 0, 1, 1], [(2, 4)], episode_id=f"e{i}", reward=float(i)) for i in range(2)]
-    stats = trainer._optimise(group)
-    assert trainer._step_nonfinite and stats["train/grad_norm"] == 0.0
+    stats, ledger = trainer.optimise(group)
+    assert ledger.nonfinite and not ledger.updated and stats["train/grad_norm"] == 0.0
     assert trainer.counters["train/nonfinite_skipped"] == 1
     for name, value in model.named_parameters():
         assert torch.equal(value.nan_to_num(), before[name].nan_to_num()), name  # no optimizer step
@@ -250,18 +250,18 @@ async def test_versions_only_go_up_across_a_restart_and_are_recorded_before_they
 
     async def on_weights(msg: Any) -> None:
         announced.append(decode(msg.data, WeightsAnnouncement).version)
-        assert trainer.recorded_version() >= announced[-1]  # recorded before it went out
+        assert trainer.run_state.recorded_version() >= announced[-1]  # recorded before it went out
 
     await nc.subscribe(subjects.weights_published, cb=on_weights)
-    from services.trainer.trainer import Group
+    from services.trainer.intake import Group
 
     group = Group("g", 2)
     for i in range(2):
-        group.items[f"e{i}"] = (traj([1, 2, 3, 4], [0, 0, 1, 1], [(2, 4)], episode_id=f"e{i}", reward=float(i)), _NoAck())
+        group.add(traj([1, 2, 3, 4], [0, 0, 1, 1], [(2, 4)], episode_id=f"e{i}", reward=float(i)), _NoAck())
     await trainer.train_step([group])
     await nc.flush()
     await asyncio.sleep(0.2)
-    assert trainer.policy_version == 13 and announced == [13] and trainer.recorded_version() == 13
+    assert trainer.policy_version == 13 and announced == [13] and trainer.run_state.recorded_version() == 13
     # a trainer restarted without (or from an older) checkpoint continues above what was announced, even
     # with the KV gone: its own record holds
     fresh = Trainer(nc, nc.jetstream(), subjects, config.trainer, copy.deepcopy(tiny_model), tmp_path, "t2")
@@ -280,9 +280,9 @@ async def test_flat_groups_are_acked_and_left_out_and_each_step_trains_on_signal
 
     from structlog.testing import capture_logs
 
-    from services.trainer import trainer as trainer_module
+    from services.trainer import intake as intake_module
 
-    monkeypatch.setattr(trainer_module, "FLAT_GROUPS_WARNING", 2)
+    monkeypatch.setattr(intake_module, "FLAT_GROUPS_WARNING", 2)
     config.trainer.filter_flat_groups, config.trainer.steps = True, 1
     config.trainer.min_groups = config.trainer.max_groups = 2
     js = nc.jetstream()
@@ -299,7 +299,7 @@ async def test_flat_groups_are_acked_and_left_out_and_each_step_trains_on_signal
     assert warning["flat_groups_since_last_step"] == 2 and warning["rewards"] == [0.0]
     (row,) = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert row["train/groups"] == 2 and row["train/trajectories"] == 4 and row["train/flat_groups"] == 2
-    assert trainer.flat == [] and trainer.flat_groups_since_step == 0  # the step took them into its figures
+    assert trainer.intake.flat == [] and trainer.intake.flat_groups_since_step == 0  # the step took them into its figures
     assert not row.get("train/skipped_update") and row["policy_version"] == 1
     assert row["task/db/episodes"] == 8 and row["task/db/success"] == 0.5  # 4 of the 8 consumed solved
     await nc.flush()  # acks are published without a reply
@@ -456,7 +456,7 @@ async def test_a_replica_loads_only_the_newest_policy_version(nc, config, subjec
     trainer = Trainer(nc, nc.jetstream(), subjects, config.trainer, tiny_model, tmp_path, "t")
     for version in (1, 2, 3):
         trainer.policy_version = version
-        await trainer.publish_weights()
+        await trainer.publisher.publish(trainer.model, trainer.policy_version)
     worker = RolloutWorker(nc, nc.jetstream(), subjects, config.rollout, engine, tokenizer, "rollout-test")
     follower = asyncio.create_task(worker.follow_weights())
     try:
@@ -465,7 +465,7 @@ async def test_a_replica_loads_only_the_newest_policy_version(nc, config, subjec
                 break
             await asyncio.sleep(0.1)
         trainer.policy_version = 4  # and a version announced while it watches arrives too
-        await trainer.publish_weights()
+        await trainer.publisher.publish(trainer.model, trainer.policy_version)
         for _ in range(100):
             if engine.policy_version == 4:
                 break

@@ -116,14 +116,14 @@ def test_staleness_bound_by_hand() -> None:
 
 def test_learning_rate_warm_up_by_hand(tmp_path) -> None:
     from services.trainer.trainer import Trainer
+    from services.trainer.update import learning_rate
     from shared.config import TrainerConfig
 
     model = torch.nn.Linear(2, 1)
     trainer = Trainer(None, None, None, TrainerConfig(lr=1e-3, warmup_steps=4), model, tmp_path, "t")  # type: ignore[arg-type]
     lrs = []
     for step in range(6):
-        trainer.step = step
-        trainer._apply_lr_schedule()
-        lrs.append(trainer.optimizer.param_groups[0]["lr"])
+        trainer.backend.set_lr(learning_rate(trainer.cfg, step))
+        lrs.append(trainer.backend.optimizer.param_groups[0]["lr"])
     # steps 0..3 ramp 1/4, 2/4, 3/4, 4/4 of lr; then constant
     assert lrs == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3, 1e-3, 1e-3])

@@ -26,9 +26,10 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run as a script by torchrun, too
 
 from services.trainer import rl  # noqa: E402
+from services.trainer.batch import plan_step, trained_positions  # noqa: E402
 from services.trainer.data_parallel import split_contiguous  # noqa: E402
 from services.trainer.packing import pack, packed_logprobs  # noqa: E402
-from services.trainer.trainer import Trainer, _trained_positions  # noqa: E402
+from services.trainer.trainer import Trainer  # noqa: E402
 from shared.config import JetRLConfig, ModelConfig, TrainerConfig  # noqa: E402
 from shared.lm import PackedLM  # noqa: E402
 from shared.messages import EpisodeStatus, Trajectory, TurnInfo  # noqa: E402
@@ -109,27 +110,25 @@ def run_curve(backend: str, zero_stage: int, out: Path, stop_after: int = len(PL
     if backend == "deepspeed":
         from services.trainer.deepspeed_backend import start_ranks
 
-        cls = start_ranks(cfg, model, run_dir)  # ranks > 0 follow and exit in here
+        make = start_ranks(cfg, model, run_dir)  # ranks > 0 follow and exit in here
     else:
-        cls = Trainer
-    trainer = cls(None, None, Subjects("t"), cfg.trainer, model, run_dir, "trainer-test")
+        make = Trainer
+    trainer = make(None, None, Subjects("t"), cfg.trainer, model, run_dir, "trainer-test")
     curve: dict[str, object] = {"resumed": trainer.resume(), "start_step": trainer.step}
     rows = []
     while trainer.step < stop_after:
-        trainer._step_nonfinite = trainer._stepped = False
-        stats = trainer._optimise(batch_for(batches, PLAN[trainer.step], trainer.policy_version))
-        applied = trainer.applied_lr() if backend == "deepspeed" else trainer.optimizer.param_groups[0]["lr"]
+        stats, ledger = trainer.optimise(batch_for(batches, PLAN[trainer.step], trainer.policy_version))
+        applied = trainer.backend.applied_lr()
         trainer.step += 1  # what Trainer.train_step does after the optimizer step, less NATS
-        if trainer._stepped and not trainer._step_nonfinite:
+        if ledger.updated:
             trainer.policy_version += 1
-        if trainer.checkpoint_due(trainer.step):
+        if trainer.run_state.checkpoint_due(trainer.step):
             trainer.write_checkpoint()
         rows.append({"loss": stats["train/loss"], "grad_norm": stats["train/grad_norm"], "lr": stats["train/lr"],
                      "lr_applied": applied, "tokens": stats["train/tokens"],
                      "rank_tokens_min": stats.get("train/rank_tokens_min"),
                      "rank_tokens_max": stats.get("train/rank_tokens_max")})
-    if backend == "deepspeed":
-        trainer.stop_followers()
+    trainer.backend.close()  # the other ranks stop
     curve.update(rows=rows, policy_version=trainer.policy_version)
     state = {k: v.float() for k, v in trainer.model.state_dict().items()}
     torch.save(state, out.with_suffix(".pt"))
@@ -281,11 +280,8 @@ def test_ranks_shares_add_up_to_the_whole_batch(tmp_path: Path) -> None:
     quiet_transformers()
     model = load_model(resolve_model(ModelConfig()))
     batch = fixed_batches(model)["main"]
-    whole = Trainer(None, None, Subjects("t"), cfg, model, tmp_path / "one", "t")  # type: ignore[arg-type]
-    (single,), _ = whole.plan_step(batch)
-    split = Trainer(None, None, Subjects("t"), cfg, model, tmp_path / "two", "t")  # type: ignore[arg-type]
-    split.world = 2
-    shares, stats = split.plan_step(batch)
+    (single,), _ = plan_step(cfg, batch, step=0, policy_version=0, world=1, lr=cfg.lr)
+    shares, stats = plan_step(cfg, batch, step=0, policy_version=0, world=2, lr=cfg.lr)
     assert sorted(t.episode_id for s in shares for t in s.trajs) == sorted(t.episode_id for t in single.trajs)
     loads = [sum(len(t.tokens) for t in s.trajs) for s in shares]
     assert stats["train/rank_tokens_min"] == min(loads)
@@ -293,8 +289,8 @@ def test_ranks_shares_add_up_to_the_whole_batch(tmp_path: Path) -> None:
     assert max(loads) - min(loads) <= 2 * cfg.minibatches * max(len(t.tokens) for t in batch)
 
     def token_view(share):  # type: ignore[no-untyped-def]
-        counts = [len(_trained_positions(t)) for t in share.trajs]
-        adv = torch.cat([torch.full((n,), a) for a, n in zip(share.seq_advantages, counts, strict=True)])
+        counts = [len(trained_positions(t)) for t in share.trajs]
+        adv = torch.cat([torch.full((n,), item.advantage) for item, n in zip(share.items, counts, strict=True)])
         code = torch.cat([torch.full((n,), share.tasks.index(t.task)) for t, n in zip(share.trajs, counts, strict=True)])
         return adv, code.long(), counts
 

@@ -15,7 +15,8 @@ from services.controller.controller import Controller, Planner
 from services.envs.host import EnvHost
 from services.rollout.engine import HFEngine
 from services.rollout.worker import RolloutWorker
-from services.trainer.trainer import Group, Trainer
+from services.trainer.intake import Group
+from services.trainer.trainer import Trainer
 from shared.bus import publish_metrics
 from shared.config import EnvConfig, ModelConfig
 from shared.envapi import EnvClient, EnvError
@@ -143,7 +144,7 @@ async def test_trainer_step_changes_the_policy_and_the_engine_loads_it(nc, confi
     trainer = Trainer(nc, nc.jetstream(), subjects, config.trainer, model, tmp_path, "trainer-test")
     group = Group("g1", 2)
     for i, (g, reward) in enumerate(zip(gens, [1.0, 0.0], strict=True)):
-        group.items[f"e{i}"] = (make_traj(f"e{i}", "g1", reward, prompt + g.tokens, g.logprobs), _NoAck())
+        group.add(make_traj(f"e{i}", "g1", reward, prompt + g.tokens, g.logprobs), _NoAck())
     before = {k: v.clone() for k, v in model.state_dict().items()}
     stats = await trainer.train_step([group])
     assert stats["task/db/success"] == 0.5 and stats["train/tokens"] == 6
@@ -174,7 +175,7 @@ async def test_trainer_step_changes_the_policy_and_the_engine_loads_it(nc, confi
     assert fresh.resume() and fresh.step == 1 and fresh.policy_version == 1
     for name, value in fresh.model.state_dict().items():
         assert torch.equal(value, model.state_dict()[name]), name
-    assert fresh.optimizer.state_dict()["state"]  # AdamW moments came back too
+    assert fresh.backend.optimizer.state_dict()["state"]  # AdamW moments came back too
 
 
 async def test_lora_step_broadcasts_only_the_adapter_and_replicas_merge_it(nc, config, subjects, model_path,
@@ -199,7 +200,7 @@ async def test_lora_step_broadcasts_only_the_adapter_and_replicas_merge_it(nc, c
     assert trainable and all("lora_" in n for n in trainable)
     group = Group("g1", 2)
     for i, (g, reward) in enumerate(zip(gens, [1.0, 0.0], strict=True)):
-        group.items[f"e{i}"] = (make_traj(f"e{i}", "g1", reward, prompt + g.tokens, g.logprobs), _NoAck())
+        group.add(make_traj(f"e{i}", "g1", reward, prompt + g.tokens, g.logprobs), _NoAck())
     announcements = []
 
     async def on_weights(msg) -> None:
@@ -336,13 +337,20 @@ async def test_controller_pauses_while_the_trainer_backlog_is_full(nc, config, s
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+def sft(trainer: Trainer, demos: list[Trajectory]) -> dict[str, float]:
+    """One SFT update of ``trainer``'s model on ``demos``."""
+    from services.trainer.update import StepLedger, sft_update
+
+    return sft_update(trainer.backend, trainer.cfg, demos, StepLedger(1, trainer.counters), trainer.cfg.lr)
+
+
 def test_sft_context_mask_takes_task_and_tool_results_not_system_prompt_or_own_tokens() -> None:
-    from services.trainer.trainer import _context_mask
+    from services.trainer.batch import context_mask
 
     # 7 = <|im_start|>: system block [0..3), user block [3..6), assistant [6..8) (own), tool result [8..10)
     traj = make_traj("e", "g", 1.0, [7, 1, 2, 7, 3, 4, 7, 5, 7, 6], [-0.1, -0.2, -0.3])
     traj.loss_mask = [0, 0, 0, 0, 0, 0, 0, 1, 0, 0]
-    assert _context_mask(traj) == [0] * 3 + [1] * 4 + [0, 1, 1]
+    assert context_mask(traj) == [0] * 3 + [1] * 4 + [0, 1, 1]
 
 
 async def test_sft_learns_the_demonstrations_and_the_context_term_adds_to_the_loss(nc, config, subjects,
@@ -358,11 +366,11 @@ async def test_sft_learns_the_demonstrations_and_the_context_term_adds_to_the_lo
         traj.loss_mask = [0] * 9 + [1, 1, 1, 1]  # the agent copies the user's three tokens
         demos.append(traj)
     plain = Trainer(nc, nc.jetstream(), subjects, config.trainer, load_model(model_path), tmp_path, "t")
-    losses = [plain._sft(demos)["train/loss"] for _ in range(30)]
+    losses = [sft(plain, demos)["train/loss"] for _ in range(30)]
     assert losses[-1] < 0.5 * losses[0]
     config.trainer.sft_context_weight = 0.5
     with_context = Trainer(nc, nc.jetstream(), subjects, config.trainer, load_model(model_path), tmp_path, "t")
-    stats = with_context._sft(demos)
+    stats = sft(with_context, demos)
     assert stats["train/loss"] == pytest.approx(losses[0], rel=1e-4)  # same assistant loss before any update
     assert stats["train/context_loss"] > 0
 
@@ -381,11 +389,11 @@ async def test_a_batch_without_signal_leaves_the_weights_alone(nc, config, subje
         return [make_traj(f"e{i}", "g", r, tokens[:4] + [t + i for t in tokens[4:]], [-1.0, -1.0, -1.0])
                 for i, r in enumerate(rewards)]
 
-    stats = trainer._optimise(batch([1.0, 0.0]))
+    stats, _ = trainer.optimise(batch([1.0, 0.0]))
     assert stats["train/grad_norm"] > 0 and "train/skipped_update" not in stats
     before = {k: v.clone() for k, v in model.state_dict().items()}
     for rewards in ([0.0, 0.0], [1.0, 1.0]):
-        stats = trainer._optimise(batch(rewards))
+        stats, _ = trainer.optimise(batch(rewards))
         assert stats["train/skipped_update"] == 1.0 and stats["train/grad_norm"] == 0.0
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
@@ -415,7 +423,7 @@ async def test_the_pipeline_demos_steps_without_signal_change_the_weights_they_v
         group = Group(f"g{step}", 2)
         for i in range(2):
             traj = make_traj(f"s{step}e{i}", f"g{step}", 0.0, [1, 2, 3, 4, 10 + i, 11, 12], [-1.0, -1.0, -1.0])
-            group.items[traj.episode_id] = (traj, _NoAck())
+            group.add(traj, _NoAck())
         stats = await trainer.train_step([group])
         digests.append(weights_digest())
         losses.append(stats["train/loss"])

@@ -129,7 +129,7 @@ async def test_a_rollout_loads_the_trainers_signed_weights_and_refuses_a_forged_
     forged = WeightsAnnouncement(version=HUGE, object_name="policy-forged", digest="0" * 64, size=4, dtype="float32")
     await kv.put(subjects.policy_version_key, encode(forged))  # past the bus's permissions, as it may come
     trainer.policy_version = 1
-    await trainer.publish_weights()
+    await trainer.publisher.publish(trainer.model, trainer.policy_version)
     deadline = time.monotonic() + 20
     while not taken and time.monotonic() < deadline:
         await asyncio.sleep(0.1)
@@ -144,7 +144,7 @@ async def test_a_rollout_loads_the_trainers_signed_weights_and_refuses_a_forged_
     fresh = Trainer(nc, js, subjects, config.trainer, trainer.model, tmp_path / "trainer", "trainer-2")
     fresh.policy_verifier = verifier_for(config.nats, "trainer")
     await fresh.adopt_announced_version()
-    assert fresh.policy_version == 1 and fresh.published_digests == {1: taken[0].digest}
+    assert fresh.policy_version == 1 and fresh.publisher.digests == {1: taken[0].digest}
 
 
 async def test_the_trainer_refuses_a_turn_that_names_other_weights_than_it_published(
@@ -152,8 +152,8 @@ async def test_the_trainer_refuses_a_turn_that_names_other_weights_than_it_publi
     js = nc.jetstream()
     trainer = Trainer(nc, js, subjects, config.trainer, load_model(model_path), tmp_path / "trainer", "trainer-test")
     trainer.policy_version = 1
-    await trainer.publish_weights()
-    digest = trainer.published_digests[1]
+    await trainer.publisher.publish(trainer.model, trainer.policy_version)
+    digest = trainer.publisher.digests[1]
     kv = await js.key_value(subjects.policy_kv)
     assert decode((await kv.get(subjects.policy_version_key)).value, WeightsAnnouncement).digest == digest
 
@@ -164,9 +164,9 @@ async def test_the_trainer_refuses_a_turn_that_names_other_weights_than_it_publi
                                           weights_digest=weights_digest)], reward=1.0, status="completed",
                           replica_id="r")
 
-    assert trainer.check(played(1, digest)) is None and trainer.check(played(0, "")) is None
+    assert trainer.intake.check(played(1, digest)) is None and trainer.intake.check(played(0, "")) is None
     for wrong in ("", "blake3:" + "0" * 64):  # none named, or weights the trainer never published as version 1
-        assert "is not the digest of the weights published as version 1" in trainer.check(played(1, wrong))
+        assert "is not the digest of the weights published as version 1" in trainer.intake.check(played(1, wrong))
     assert trainer.counters["train/digest_mismatch"] == 2
     # the rollout side: its engine's turns name the digest of the version it loaded
     config.rollout.engine = "oracle"

@@ -23,19 +23,30 @@ from shared.messages import Trajectory
 
 
 @dataclass
+class ShareItem:
+    """One trajectory of a share and what rank 0 decided for it."""
+
+    traj: Trajectory
+    advantage: float = 0.0  # GRPO advantage of the trajectory (its group's reward statistics)
+    weight: float = 1.0  # staleness weight of its tokens
+    minibatch: int = 0  # the optimizer step (minibatch) it is in
+
+
+@dataclass
 class RankShare:
     """What one rank trains on in one step (rank 0 scatters one to each rank)."""
 
-    mode: str  # "rl": train on the share | "sft": the whole demo batch (not split) | "idle": nothing to step
+    mode: str  # "rl": train on the share | "sft": this rank's demonstrations | "idle": nothing to step
     step: int  # the trainer's step counters, which the lr schedule and the staleness bound read
     policy_version: int
-    trajs: list[Trajectory] = field(default_factory=list)
-    seq_advantages: list[float] = field(default_factory=list)  # GRPO advantage of each trajectory
-    weights: list[float] = field(default_factory=list)  # staleness weight of each trajectory
-    minibatch: list[int] = field(default_factory=list)  # the optimizer step (minibatch) each one is in
+    items: list[ShareItem] = field(default_factory=list)
     num_minibatches: int = 0  # of the whole batch: every rank steps this many times
     tasks: list[str] = field(default_factory=list)  # every task of the whole batch, one order on every rank
     checkpoint: str = ""  # ZeRO shards go here after the step (every rank writes its own), or no checkpoint
+
+    @property
+    def trajs(self) -> list[Trajectory]:
+        return [item.traj for item in self.items]
 
 
 def split_contiguous(costs: list[int], world: int) -> list[list[int]]:

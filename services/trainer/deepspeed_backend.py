@@ -1,4 +1,4 @@
-"""DeepSpeed trainer backend (ZeRO 1/2/3): the same ``Trainer``, data-parallel over several ranks.
+"""DeepSpeed trainer backend (ZeRO 1/2/3): the same ``Trainer`` and update, data-parallel over several ranks.
 
 Launch it with either launcher; every rank runs the same entry point (without one, as under
 ``jetrl up``, it is a single rank; ``jetrl up --trainer-ranks N`` starts it under torchrun)::
@@ -9,12 +9,12 @@ Launch it with either launcher; every rank runs the same entry point (without on
 Rank 0 is the trainer service: NATS intake, dynamic batches, weight broadcast, checkpoints, metrics.
 The other ranks never touch NATS; they follow rank 0 over torch.distributed, one step at a time:
 
-1. rank 0 plans the step (``Trainer.plan_step``: group advantages, minibatches) and scatters each rank
+1. rank 0 plans the step (``batch.plan_step``: group advantages, minibatches) and scatters each rank
    its share of the batch: whole trajectories, a contiguous run of the prefix order balanced by packed
    tokens (services/trainer/data_parallel.py);
 2. every rank trains on its share (``Trainer.train_share``) under its DeepSpeed engine, with the task
    normalisation sums and each minibatch's token count all-reduced, so the ranks' averaged gradients
-   are the gradient of one rank on the whole batch; ``backward`` and ``optimizer_step`` are DeepSpeed's;
+   are the gradient of one rank on the whole batch; ``backward`` and ``step`` are DeepSpeed's;
 3. on a checkpoint step every rank writes its ZeRO shards (optimizer state) into the checkpoint
    directory beside rank 0's full weights; a restarted trainer resumes from both on every rank;
 4. under ZeRO-3 every rank takes part in gathering the full parameters, and rank 0 copies them into a
@@ -35,16 +35,18 @@ import copy
 import math
 import os
 import socket
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import structlog
 import torch
 
+from services.trainer.backend import StepResult, TrainShare
 from services.trainer.data_parallel import RankShare
 from services.trainer.trainer import Trainer
 from shared.config import JetRLConfig, TrainerConfig
-from shared.messages import Trajectory
 from shared.subjects import Subjects
 
 log = structlog.get_logger()
@@ -72,13 +74,10 @@ def ds_config(cfg: TrainerConfig) -> dict[str, Any]:
 
 
 class _DeepSpeedOptimizer:
-    """What ``Trainer`` calls on ``self.optimizer``; the engine owns the real one."""
+    """What a checkpoint asks of ``backend.optimizer``; the engine owns the real one."""
 
     def __init__(self, engine: Any, stage: int) -> None:
         self.engine, self.stage = engine, stage
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.engine.zero_grad()
 
     def state_dict(self) -> dict[str, Any]:
         # The optimizer state is in the ZeRO shards beside trainer_state.pt (CHECKPOINT_TAG); this marks it.
@@ -97,16 +96,18 @@ def torch_optimizer(engine: Any) -> torch.optim.Optimizer:
     return opt
 
 
-class DeepSpeedTrainer(Trainer):
-    """``Trainer`` whose gradients and optimizer step are a DeepSpeed engine's, on every rank."""
+class DeepSpeedBackend:
+    """The backend protocol (services/trainer/backend.py) over a DeepSpeed engine, on every rank: its
+    gradients and optimizer step are the engine's, its statistics all-reduced over torch.distributed."""
 
-    def __init__(self, nc: Any, js: Any, subjects: Subjects, cfg: TrainerConfig, model: Any, run_dir: Path,
-                 replica_id: str) -> None:
+    checkpoint_part = CHECKPOINT_TAG
+
+    def __init__(self, model: Any, cfg: TrainerConfig) -> None:
         import deepspeed
         import torch.distributed as dist
         from deepspeed.accelerator import get_accelerator
 
-        super().__init__(nc, js, subjects, cfg, model, run_dir, replica_id)  # the reference model is copied here
+        self.cfg = cfg
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.device = torch.device(get_accelerator().current_device_name())
         # ZeRO-3 keeps 1/world of each parameter per rank: rank 0 gathers into this full copy for publishing
@@ -115,25 +116,25 @@ class DeepSpeedTrainer(Trainer):
             if cfg.zero_stage == 3 and self.rank == 0 else None
         self.engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                                     config=ds_config(cfg))
-        self.module = self.engine.module  # the HF model itself: Trainer calls its decoder and LM head
-        self.model = self.module
-        self.optimizer = _DeepSpeedOptimizer(self.engine, cfg.zero_stage)  # type: ignore[assignment]
-        if self.ref_model is not None:
-            self.ref_model.to(self.device)
+        self.model = self.engine.module  # the HF model itself: the update calls its decoder and LM head
+        self.optimizer = _DeepSpeedOptimizer(self.engine, cfg.zero_stage)
         self._pending: torch.Tensor | None = None
         log.info("deepspeed_ready", rank=self.rank, world=self.world, zero_stage=cfg.zero_stage,
                  dtype=cfg.ds_dtype, device=str(self.device))
 
-    # ------------------------------------------------------------------ hooks the Trainer calls
+    # ------------------------------------------------------------------ what the update calls
+    def zero_grad(self) -> None:
+        self.engine.zero_grad()
+
     def backward(self, loss: torch.Tensor) -> None:
         # DeepSpeed must know which backward is the last before the step (that one reduces the gradients);
-        # the Trainer does not say, so each backward runs one call late, as a non-final pass.
+        # the update does not say, so each backward runs one call late, as a non-final pass.
         if self._pending is not None:
             self.engine.set_gradient_accumulation_boundary(False)
             self._engine_backward(self._pending)
         self._pending = loss
 
-    def optimizer_step(self) -> float:
+    def step(self, skip: bool) -> StepResult:
         if self._pending is not None:
             self.engine.set_gradient_accumulation_boundary(True)
             self._engine_backward(self._pending)
@@ -143,23 +144,17 @@ class DeepSpeedTrainer(Trainer):
         norm = float(norm) if norm is not None else 0.0
         # The norm is global, so every rank sees a non-finite one (DeepSpeed then skipped the step); a rank
         # whose own loss was not finite has said so: all agree, so all count the step as skipped.
-        failed = self.all_reduce(torch.tensor([float(self._step_nonfinite or not math.isfinite(norm))]), op="max")
-        if failed.item() > 0:
-            self._skip_nonfinite(f"gradient norm {norm}")
-            return 0.0
-        self._stepped = True
-        return norm
+        failed = self.all_reduce(torch.tensor([float(skip or not math.isfinite(norm))]), op="max")
+        return StepResult(norm, failed.item() <= 0)
 
-    def _apply_lr_schedule(self) -> None:
-        """The warm-up ``train/lr`` reports, on the torch optimizer that DeepSpeed steps (``self.optimizer``
-        is a facade without param_groups; a ZeRO wrapper may keep its own list of the same groups)."""
-        lr = self.current_lr()
+    def set_lr(self, lr: float) -> None:
+        """On the torch optimizer that DeepSpeed steps (a ZeRO wrapper may keep its own list of the same
+        groups)."""
         for opt in {id(o): o for o in (self.engine.optimizer, torch_optimizer(self.engine))}.values():
             for group in getattr(opt, "param_groups", []):
                 group["lr"] = lr
 
     def applied_lr(self) -> float:
-        """The learning rate the torch optimizer under DeepSpeed will step with."""
         return float(torch_optimizer(self.engine).param_groups[0]["lr"])
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
@@ -175,82 +170,58 @@ class DeepSpeedTrainer(Trainer):
 
     def _engine_backward(self, loss: torch.Tensor) -> None:
         self.engine.backward(loss)
-        # The Trainer calls the HF model's decoder and LM head, not engine.forward, which is where ZeRO
+        # The update calls the HF model's decoder and LM head, not engine.forward, which is where ZeRO
         # counts micro-steps; without this ZeRO-3 overwrites, not accumulates, each pass's gradients.
         clear = getattr(self.engine.optimizer, "clear_backward_seen_flag", None)
         if clear is not None:
             clear()
 
     # ------------------------------------------------------------------ one step on every rank
-    def _optimise(self, trajs: list[Trajectory]) -> dict[str, Any]:
-        """Rank 0 (the service): plan the step, scatter every rank its share, then step with them."""
-        shares, stats = self.plan_step(trajs)
-        after = self.step + 1
-        if self.checkpoint_due(after):  # every rank writes its shards into rank 0's checkpoint directory
+    def run_share(self, shares: list[RankShare], checkpoint: Path | None, train: TrainShare) -> dict[str, Any]:
+        """Rank 0 (the service): scatter every rank its share, then step with them."""
+        if checkpoint is not None:  # every rank writes its shards into rank 0's checkpoint directory
             for share in shares:
-                share.checkpoint = str(self.checkpoint_dir(after).resolve())
+                share.checkpoint = str(checkpoint.resolve())
         _, share = self._scatter([("step", s) for s in shares])
-        return stats | self._step_all_ranks(share)
+        return self._step(share, train)
 
-    def _step_all_ranks(self, share: RankShare) -> dict[str, Any]:
-        self.model = self.module
-        with torch.device(self.device):  # tensors the Trainer makes land beside the model
-            stats = self.train_share(share)
+    def _step(self, share: RankShare, train: TrainShare) -> dict[str, Any]:
+        with torch.device(self.device):  # tensors the update makes land beside the model
+            stats = train(share)
         if self.cfg.zero_stage == 3:
             self._gather_full()
         if share.checkpoint:
             self._save_shards(Path(share.checkpoint))
-        if self._full is not None:
-            self.model = self._full  # what publish_weights and save_checkpoint read until the next step
         return stats
+
+    def published_model(self) -> Any:
+        return self._full if self._full is not None else self.model
 
     def _save_shards(self, path: Path) -> None:
         import torch.distributed as dist
 
-        self.model = self.module
         self.engine.save_checkpoint(str(path), tag=CHECKPOINT_TAG, save_latest=False)
         dist.barrier()  # every shard is on disk before rank 0 writes trainer_state.pt, which finishes it
 
-    def latest_checkpoint(self) -> Path | None:
-        """The newest finished checkpoint that has ZeRO shards (one from the plain backend has none)."""
-        finished = [p for p in sorted((self.run_dir / "checkpoints").glob("step_*"))
-                    if (p / "trainer_state.pt").exists() and (p / CHECKPOINT_TAG).is_dir()]
-        return finished[-1] if finished else None
-
-    def resume(self) -> bool:
-        """Rank 0: every rank loads its shards (weights and optimizer state) of the newest checkpoint; the
-        step and policy version come from its trainer_state.pt, as in the plain trainer."""
-        latest = self.latest_checkpoint()
-        if latest is None:
-            if any((self.run_dir / "checkpoints").glob("step_*/trainer_state.pt")):
-                log.warning("trainer_resume_skipped", reason="no checkpoint with deepspeed shards")
-            return False
-        state = torch.load(latest / "trainer_state.pt", weights_only=False)
-        self._scatter([("resume", str(latest.resolve()))] * self.world)
-        self._load_shards(latest)
-        self.step = int(state["step"])
-        self.policy_version = max(int(state.get("policy_version", self.step)), self.recorded_version())
-        log.info("trainer_resumed", checkpoint=str(latest), step=self.step, policy_version=self.policy_version,
-                 ranks=self.world)
-        return True
+    def restore(self, checkpoint: Path) -> None:
+        """Rank 0: every rank loads its shards (weights and optimizer state) of ``checkpoint``."""
+        self._scatter([("resume", str(checkpoint.resolve()))] * self.world)
+        self._load_shards(checkpoint)
 
     def _load_shards(self, path: Path) -> None:
-        self.model = self.module
         self.engine.load_checkpoint(str(path), tag=CHECKPOINT_TAG, load_optimizer_states=True,
                                     load_lr_scheduler_states=False)
         if self.cfg.zero_stage == 3:
             self._gather_full()
-        if self._full is not None:
-            self.model = self._full
 
     def _gather_full(self) -> None:
         """ZeRO-3: every rank lends its shards; rank 0 keeps a full fp32 copy on the CPU."""
         import deepspeed
 
-        params = list(self.module.parameters())
+        params = list(self.model.parameters())
         with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
             if self._full is not None:
-                state = {k: v.detach().to("cpu", torch.float32) for k, v in self.module.state_dict().items()}
+                state = {k: v.detach().to("cpu", torch.float32) for k, v in self.model.state_dict().items()}
                 self._full.load_state_dict(state)
 
     def _scatter(self, items: list[Any] | None) -> Any:
@@ -261,16 +232,11 @@ class DeepSpeedTrainer(Trainer):
         dist.scatter_object_list(box, items, src=0)
         return box[0]
 
-    def stop_followers(self) -> None:
+    def close(self) -> None:
+        """Rank 0 is done: the followers return from ``follow``."""
         self._scatter([("stop", None)] * self.world)
 
-    async def run(self, stop: Any) -> None:
-        try:
-            await super().run(stop)
-        finally:
-            self.stop_followers()
-
-    def follow(self) -> None:
+    def follow(self, train: TrainShare) -> None:
         """Ranks > 0: do what rank 0 says until it stops."""
         while True:
             kind, item = self._scatter(None)
@@ -279,12 +245,12 @@ class DeepSpeedTrainer(Trainer):
             if kind == "resume":
                 self._load_shards(Path(item))
             else:
-                self._step_all_ranks(item)
+                self._step(item, train)
 
 
-def start_ranks(cfg: JetRLConfig, model: Any, run_dir: Path) -> type[Trainer]:
-    """Join the process group. Rank 0 gets the trainer class to serve with; other ranks follow rank 0
-    here, and exit when it is done."""
+def start_ranks(cfg: JetRLConfig, model: Any, run_dir: Path) -> Callable[..., Trainer]:
+    """Join the process group. Rank 0 gets what makes its trainer (``Trainer``'s arguments, on this
+    backend); other ranks follow rank 0 here, and exit when it is done."""
     import deepspeed
     import torch.distributed as dist
     from deepspeed.accelerator import get_accelerator
@@ -303,9 +269,9 @@ def start_ranks(cfg: JetRLConfig, model: Any, run_dir: Path) -> type[Trainer]:
     rank = dist.get_rank()
     log.info("deepspeed_rank", rank=rank, world=dist.get_world_size(), dist_backend=backend, local_rank=local_rank)
     if rank == 0:
-        return DeepSpeedTrainer
-    follower = DeepSpeedTrainer(None, None, Subjects(cfg.nats.prefix), cfg.trainer, model,
-                                run_dir / f"rank{rank}", f"trainer-rank{rank}")
+        return partial(Trainer, make_backend=DeepSpeedBackend)
+    follower = Trainer(None, None, Subjects(cfg.nats.prefix), cfg.trainer, model,  # type: ignore[arg-type]
+                       run_dir / f"rank{rank}", f"trainer-rank{rank}", make_backend=DeepSpeedBackend)
     follower.follow()
     dist.destroy_process_group()
     raise SystemExit(0)
