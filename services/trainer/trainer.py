@@ -72,7 +72,8 @@ class Trainer:
 
     @property
     def model(self) -> Any:
-        return self.backend.model
+        """The full model as trained so far (what is published, checkpointed and exported)."""
+        return self.backend.published_model()
 
     # what the entry point sets: the run's signing key and the rollout's context limit
     @property
@@ -93,7 +94,7 @@ class Trainer:
 
     def export(self, path: Path) -> None:
         """The final policy as a plain Hugging Face directory (LoRA merged in): ``--model.name=<path>``."""
-        export(self.backend.published_model(), self.lora, path)
+        export(self.model, self.lora, path)
 
     def resume(self) -> bool:
         """Continue from the newest checkpoint of the run directory, if any: same weights, optimizer,
@@ -165,7 +166,7 @@ class Trainer:
             self.run_state.record_version(self.policy_version)
             if self.cfg.mode == "rl":  # SFT plays the envs' oracles: no engine reads weights until the export
                 publish_started = time.monotonic()
-                await self.publisher.publish(self.backend.published_model(), self.policy_version)
+                await self.publisher.publish(self.model, self.policy_version)
                 publish_s = time.monotonic() - publish_started
         if self.run_state.checkpoint_due(self.step):
             await asyncio.to_thread(self.write_checkpoint)
@@ -177,7 +178,7 @@ class Trainer:
         return stats
 
     def write_checkpoint(self) -> None:
-        self.run_state.write(trained_weights(self.backend.published_model(), self.lora), self.backend.optimizer,
+        self.run_state.write(trained_weights(self.model, self.lora), self.backend.optimizer,
                              self.step, self.policy_version)
 
     def optimise(self, trajs: list[Trajectory]) -> tuple[dict[str, Any], update.StepLedger]:
@@ -201,7 +202,7 @@ class Trainer:
             return {}
         stats: dict[str, Any] = {}
         batch = rl_batch(self.cfg, share, self.backend.all_reduce, stats)
-        reference = partial(update.reference_policy, self.model, self.ref_model) if self.cfg.kl_coef > 0 else None
+        reference = partial(update.reference_policy, self.backend.model, self.ref_model) if self.cfg.kl_coef > 0 else None
         return stats | update.policy_update(self.backend, self.cfg, batch, ledger, reference, lr)
 
     def follow(self) -> None:
