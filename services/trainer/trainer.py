@@ -205,7 +205,3 @@ class Trainer:
         reference = partial(update.reference_policy, self.backend.model, self.ref_model) if self.cfg.kl_coef > 0 else None
         return stats | update.policy_update(self.backend, self.cfg, batch, ledger, reference, lr)
 
-    def follow(self) -> None:
-        """Ranks > 0: train the shares rank 0 sends until it stops."""
-        self.backend.follow(lambda s: self.train_share(s, update.StepLedger(s.step + 1, self.counters)))
-
