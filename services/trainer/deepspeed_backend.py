@@ -110,6 +110,7 @@ class DeepSpeedBackend:
 
         self.cfg = cfg
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.collective_passes = self.world > 1
         self.device = torch.device(get_accelerator().current_device_name())
         # ZeRO-3 keeps 1/world of each parameter per rank: rank 0 gathers into this full copy for publishing
         # (copied before deepspeed.initialize partitions the model).
@@ -128,6 +129,9 @@ class DeepSpeedBackend:
         self.engine.zero_grad()
 
     def backward(self, loss: torch.Tensor) -> None:
+        # The ranks' gradients are averaged (ZeRO): each rank's share of the sum, times the ranks.
+        if self.world > 1:
+            loss = loss * self.world
         # DeepSpeed must know which backward is the last before the step (that one reduces the gradients);
         # the update does not say, so each backward runs one call late, as a non-final pass.
         if self._pending is not None:
