@@ -40,6 +40,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -128,6 +129,7 @@ class Supervisor:
         self.replica_users: dict[str, str] = {}  # service -> its own NATS user (shared.auth.replica_user)
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
         self.logs: dict[str, RotatingLog] = {}  # a service's log file, rotated past supervisor.log_max_bytes
+        self.log_copies: list[threading.Thread] = []  # one per child started: its output into its log
 
     def spawn(self, name: str, module_args: list[str], overrides: list[str] | None = None,
               command: list[str] | None = None, environ: dict[str, str] | None = None, cwd: str | None = None) -> None:
@@ -152,7 +154,7 @@ class Supervisor:
             env.update(JETRL__NATS__USER=user, JETRL__NATS__PASSWORD_FILE=str(Path(self.cfg.nats.auth_dir) / f"{user}.password"))
         self.procs[name] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
                                             cwd=child.cwd, start_new_session=True, preexec_fn=die_with_parent)
-        log.copy_from(self.procs[name].stdout)  # type: ignore[arg-type]
+        self.log_copies.append(log.copy_from(self.procs[name].stdout))  # type: ignore[arg-type]
 
     def dead(self) -> list[tuple[str, int]]:
         return [(n, p.returncode) for n, p in self.procs.items() if p.poll() is not None]
@@ -233,6 +235,9 @@ class Supervisor:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+        until = time.monotonic() + 3.0  # a service's last lines may still be in its pipe: into its log before we go
+        for copy in self.log_copies:
+            copy.join(timeout=max(0.0, until - time.monotonic()))
 
 
 def _bar(done: int, total: int, width: int = 24) -> str:

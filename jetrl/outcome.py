@@ -54,7 +54,7 @@ class RunOutcome:
 
 class WaitNotice:
     """While the controller waits for an env replica that builds its task data, a line every ``every_s`` with
-    its ``/status`` state (``jetrl: waiting for env kg: building, kg test questions 43 %``); nothing otherwise."""
+    its ``/status`` state (``jetrl: waiting for env mytask: building, mytask test questions 43 %``); nothing otherwise."""
 
     def __init__(self, run_dir: Path, token: str = "", every_s: float = 15.0) -> None:
         self.run_dir, self.token, self.every_s = run_dir, token, every_s

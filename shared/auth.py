@@ -21,7 +21,7 @@ Roles and what they may do (JetStream API, KV and object-store internals include
 
 No service role creates a durable consumer, and none reads back (consumer, direct get) a stream it writes
 (see the table's comment). Every user but admin gets its own inbox prefix (``_INBOX_<user>``): a role's
-user, and under ``jetrl up`` one user per replica (``rollout-0``, ``env-db-1``: ``replica_user``), so no role
+user, and under ``jetrl up`` one user per replica (``rollout-0``, ``env-sql-1``: ``replica_user``), so no role
 or replica can read another's replies; ``allow_responses`` lets responders answer only requests they
 received. Every service user may write its role's registry keys (a replica's user: its own key alone) and
 publish dead letters.
@@ -68,7 +68,7 @@ class Credentials:
 
 
 def user_role(user: str) -> str | None:
-    """The role of a NATS user: a role's own user (``rollout``) or one replica's (``rollout-0``, ``env-db-1``:
+    """The role of a NATS user: a role's own user (``rollout``) or one replica's (``rollout-0``, ``env-sql-1``:
     the role, a dash, the replica); None for a user of some other scheme (an operator's own)."""
     head = user.split("-", 1)[0]
     return head if head in ROLES else None
@@ -82,7 +82,7 @@ def inbox_prefix(user: str) -> str:
 
 def replica_user(service: str) -> str:
     """The NATS user ``jetrl up`` gives one service it starts, named as the service (``rollout-0``,
-    ``env-db-1``, ``trainer``); a stale engine (``stale-0``) is a rollout replica (``rollout-stale-0``)."""
+    ``env-sql-1``, ``trainer``); a stale engine (``stale-0``) is a rollout replica (``rollout-stale-0``)."""
     user = f"rollout-{service}" if service.startswith("stale-") else service
     if user_role(user) is None:
         raise AuthError(f"service {service!r} has no role (its name must start with one of {', '.join(ROLES)})")

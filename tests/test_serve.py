@@ -341,7 +341,7 @@ async def test_a_slow_turn_keeps_its_job_from_being_redelivered(nc, subjects, co
     job = EpisodeJob(episode_id="e1", group_id="g1", task="db", task_id="t")
     await nc.jetstream().publish(subjects.jobs("db"), encode(job))
     (msg,) = await sub.fetch(1, timeout=5)
-    async with worker._touching(msg):
+    async with worker.player.touching(msg):
         await asyncio.sleep(2.5)  # 2.5 ack waits
     with pytest.raises(NatsTimeout):  # nothing redelivered: the job is still ours
         await sub.fetch(1, timeout=0.5)

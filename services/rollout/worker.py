@@ -14,14 +14,13 @@ as ``Nats-Msg-Id`` (so a job redelivered after its trajectory was stored is dedu
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import random
 import sys
 import time
 import zlib
-from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,11 +30,12 @@ from nats.aio.msg import Msg
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js import JetStreamContext
 from nats.js.errors import BadRequestError
-from nats.micro import add_service
-from nats.micro.request import Request
 
 from services.rollout.engine import Engine, Generation
-from services.rollout.openai_client import ContextLimit, OpenAIChatClient, history_after_turn
+from services.rollout.episode import EpisodePlayer, EpisodeRecord
+from services.rollout.openai_client import OpenAIChatClient
+from services.rollout.pool import serve_pool
+from services.rollout.turns import ORACLE_POLICY_VERSION, turn_source, weights_named
 from shared.bus import (
     TRANSIENT,
     Acker,
@@ -46,25 +46,11 @@ from shared.bus import (
     publish_retrying,
     read_object,
 )
-from shared.chat import parse_assistant, render_observation, render_opening, render_tool_call
 from shared.config import RolloutConfig
 from shared.consumers import JOB_MAX_DELIVER, bind_durable, job_consumer, job_consumer_name, job_lanes
-from shared.envapi import ERROR_CODE_HEADER, ERROR_HEADER, EnvClient, EnvError, episode_seed
+from shared.envapi import EnvClient, EnvError
 from shared.lifecycle import supervise
-from shared.messages import (
-    ActionEvent,
-    BadMessage,
-    EpisodeJob,
-    EpisodeStatus,
-    GenerateReply,
-    GenerateRequest,
-    ObservationEvent,
-    Trajectory,
-    TurnInfo,
-    WeightsAnnouncement,
-    decode,
-    encode,
-)
+from shared.messages import BadMessage, EpisodeJob, Trajectory, WeightsAnnouncement, decode, encode
 from shared.model import load_state_file, merge_lora_delta, weights_from_buffer
 from shared.signing import SignatureError, Verifier
 from shared.subjects import Subjects
@@ -73,8 +59,6 @@ log = structlog.get_logger()
 
 MAX_DELIVER = JOB_MAX_DELIVER
 OVERLAPPING_CONSUMER = 10100  # JetStream: "filtered consumer not unique on workqueue stream"
-ORACLE_ENGINE_ID = "oracle"
-ORACLE_POLICY_VERSION = -1  # oracle turns come from no policy: for SFT, never for RL ratios
 
 
 @dataclass
@@ -84,21 +68,6 @@ class WeightsLoadTimes:
     read_s: float  # from the object store into one buffer, hashed as the chunks arrived
     hold_s: float  # from that buffer (received, verified) to the engine holding the weights
     reused_buffer: bool = False  # read into the previous version's buffer (cfg.keep_weights_buffer)
-
-
-@dataclass
-class EpisodeBuffer:
-    """Token-in/token-out record of one episode as it is played."""
-
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    loss_mask: list[int] = field(default_factory=list)
-    turns: list[TurnInfo] = field(default_factory=list)
-
-    def add(self, tokens: list[int], logprobs: list[float] | None, trainable: bool) -> None:
-        self.tokens.extend(tokens)
-        self.logprobs.extend(logprobs if logprobs is not None else [0.0] * len(tokens))
-        self.loss_mask.extend([1 if trainable else 0] * len(tokens))
 
 
 class RolloutWorker:
@@ -115,19 +84,20 @@ class RolloutWorker:
             raise ValueError(f"rollout.engine={cfg.engine!r} needs a model engine")
         # engine = openai: turns come from an OpenAI-compatible server, in the API's message form
         self.chat_api = OpenAIChatClient(cfg) if cfg.engine == "openai" else None
-        self.rng = random.Random(zlib.crc32(replica_id.encode()))
         self.turn_sources: dict[str, int] = {"local": 0, "pool": 0, "oracle": 0, "openai": 0}
-        self.end_of_turn = tokenizer.convert_tokens_to_ids("<|im_end|>")
+        self.weights_digests: dict[int, str] = {}  # version -> digest of the weights loaded for it (its turns name it)
+        rng = random.Random(zlib.crc32(replica_id.encode()))  # this replica's own cross-policy draws
+        self.player = EpisodePlayer(turn_source(cfg, engine, tokenizer, nc, subjects, rng, self.weights_digests,
+                                                self.turn_sources, self.chat_api), tokenizer, cfg, js, subjects,
+                                    replica_id)
         self.clients: dict[str, EnvClient] = {}
         self.episodes_done = 0
         self.active = 0
         self._weights_lock = asyncio.Lock()
         self._weights_loaded = asyncio.Condition()  # notified after each load (synchronous mode waits on it)
-        self._pool_tasks: set[asyncio.Task[None]] = set()
         self.creates_durables = True  # an open server; with per-role users the admin makes them (shared/consumers.py)
         self.trainer_verifier = Verifier("", subjects.prefix, "trainer")  # an unsigned run; __main__ sets the run's
         self.refused_signatures = 0
-        self.weights_digests: dict[int, str] = {}  # version -> digest of the weights loaded for it (its turns name it)
         self.acks = Acker("job_ack")  # confirmed in the background, retried: a stored trajectory's job is acked
 
     # ------------------------------------------------------------------ jobs
@@ -261,120 +231,22 @@ class RolloutWorker:
 
     async def _publish_failed(self, job: EpisodeJob, reason: str) -> None:
         """An episode the env could not run still completes its group, with nothing to learn from."""
-        traj = Trajectory(episode_id=job.episode_id, group_id=job.group_id, task=job.task, task_id=job.task_id,
-                          split=job.split, group_size=job.group_size, tokens=[], logprobs=[], loss_mask=[],
-                          prompt_len=0, turns=[], reward=0.0, status=EpisodeStatus.ENV_ERROR,
-                          replica_id=self.replica_id, metrics={"error": 1.0}, temperature=job.temperature)
-        await self._publish_trajectory(traj)
+        await self._publish_trajectory(EpisodeRecord.env_failed().trajectory(job, self.replica_id))
         log.warning("episode_env_error", episode_id=job.episode_id, reason=reason)
 
     async def _publish_trajectory(self, traj: Trajectory) -> None:
         await publish_retrying(self.js, self.subjects.traj(traj.task), encode(traj),
                                headers={"Nats-Msg-Id": traj.episode_id})
 
-    async def _publish_event(self, subject: str, payload: bytes, msg_id: str) -> None:
-        """An action or observation event; retried across a NATS restart, deduplicated by ``msg_id``."""
-        await publish_retrying(self.js, subject, payload, headers={"Nats-Msg-Id": msg_id})
-
-    @staticmethod
-    async def _touch(msg: Msg) -> None:
-        """Tell JetStream we still play this job. A failure (reconnecting) costs nothing: the next turn
-        touches it again, and ack_wait is far longer than a reconnect."""
-        try:
-            await msg.in_progress()
-        except Exception as exc:
-            log.info("job_touch_failed", error=type(exc).__name__)
-
     # ------------------------------------------------------------------ one episode
     async def play(self, job: EpisodeJob, attempt: int, msg: Msg | None = None) -> Trajectory:
         env = self.clients.setdefault(job.task, EnvClient(self.nc, self.subjects, job.task, self.cfg.env_timeout_s))
         session_id = f"{job.episode_id}-a{attempt}"  # a redelivered job opens a fresh session
         if job.policy_version > self.engine_version():  # synchronous mode: play with that version, not older
-            async with self._touching(msg):
+            async with self.player.touching(msg):
                 await self.wait_for_version(job.policy_version)
-        started = time.monotonic()
-        opening = await env.start(session_id, job.task_id, job.split, seed=episode_seed(job.episode_id),
-                                  timeout_s=self.cfg.env_start_timeout_s)
-        buf = EpisodeBuffer()
-        opening_text = render_opening(opening.messages, opening.tools, self.cfg.tool_format)
-        buf.add(self.tokenizer.encode(opening_text, add_special_tokens=False), None, trainable=False)
-        prompt_len = len(buf.tokens)
-        reward, status, metrics = 0.0, EpisodeStatus.RUNNING, {}
-        history = list(opening.messages)  # the conversation in the API's form (engine = openai)
-        conversation = list(opening.messages)  # the record: each action as the env got it, then its answer
-        closed = False  # the env session ended (finish, cancel); otherwise we cancel it on the way out
-        try:
-            for turn in range(opening.max_turns):
-                if len(buf.tokens) + job.max_new_tokens > self.cfg.max_context_tokens:
-                    status = EpisodeStatus.AGENT_CONTEXT_LIMIT
-                    await env.cancel(opening.replica_id, session_id, reason=status)
-                    closed = True
-                    break
-                action: dict[str, Any] | None = None
-                if self.chat_api is not None:
-                    try:
-                        async with self._touching(msg):
-                            action = await self.chat_api.complete(history, opening.tools, job.temperature,
-                                                                  job.max_new_tokens)
-                    except ContextLimit:
-                        status = EpisodeStatus.AGENT_CONTEXT_LIMIT
-                        await env.cancel(opening.replica_id, session_id, reason=status)
-                        closed = True
-                        break
-                    gen = self.api_turn(action)
-                else:
-                    async with self._touching(msg):
-                        gen = await self.next_turn(buf.tokens, job, env, opening.replica_id, session_id)
-                start = len(buf.tokens)
-                buf.add(gen.tokens, gen.logprobs, trainable=True)
-                buf.turns.append(TurnInfo(start=start, end=len(buf.tokens), engine_id=gen.engine_id,
-                                          policy_version=gen.policy_version, weights_digest=gen.weights_digest))
-                if gen.finish_reason != "stop":  # cut off: close the turn as the template would
-                    buf.add([self.end_of_turn], None, trainable=False)
-                if action is None:
-                    action = parse_assistant(self.tokenizer.decode(gen.tokens, skip_special_tokens=True), turn)
-                await self._publish_event(self.subjects.action(job.task, job.episode_id), encode(ActionEvent(
-                    episode_id=job.episode_id, task=job.task, turn=turn, replica_id=self.replica_id,
-                    engine_id=gen.engine_id, policy_version=gen.policy_version, message=action,
-                    opening=opening.messages if turn == 0 else [])),
-                    f"{session_id}-act-{turn}")
-                step = await env.interact(opening.replica_id, session_id, action, turn=turn)
-                conversation += [action, *step.messages]
-                await self._publish_event(self.subjects.observation(job.task, job.episode_id), encode(ObservationEvent(
-                    episode_id=job.episode_id, task=job.task, turn=turn, messages=step.messages, reward=step.reward,
-                    finish=step.finish, status=step.status)), f"{session_id}-obs-{turn}")
-                if msg is not None:
-                    await self._touch(msg)  # long episodes are not redelivered while we are alive
-                reward, status, metrics = step.reward, step.status, step.metrics
-                if self.chat_api is not None:
-                    history.extend(history_after_turn(action, step.messages))
-                if step.finish:
-                    closed = True
-                    break
-                observed = self.tokenizer.encode(render_observation(step.messages), add_special_tokens=False)
-                if len(buf.tokens) + len(observed) + job.max_new_tokens > self.cfg.max_context_tokens:
-                    # no room for another turn after it: end here, so that no trajectory is ever longer than
-                    # max_context_tokens (the trainer refuses longer ones: trainer.max_tokens)
-                    status = EpisodeStatus.AGENT_CONTEXT_LIMIT
-                    await env.cancel(opening.replica_id, session_id, reason=status)
-                    closed = True
-                    break
-                buf.add(observed, None, trainable=False)
-            else:
-                status = EpisodeStatus.TASK_LIMIT_REACHED
-                await env.cancel(opening.replica_id, session_id, reason=status)
-                closed = True
-        except BaseException:  # engine failure, broker trouble, shutdown: free the env session now
-            if not closed:
-                await asyncio.shield(self._cancel_quietly(env, opening.replica_id, session_id))
-            raise
-        traj = Trajectory(
-            episode_id=job.episode_id, group_id=job.group_id, task=job.task, task_id=job.task_id, split=job.split,
-            group_size=job.group_size, tokens=buf.tokens, logprobs=buf.logprobs, loss_mask=buf.loss_mask,
-            prompt_len=prompt_len, turns=buf.turns, reward=reward, status=status, replica_id=self.replica_id,
-            metrics=dict(metrics, duration_s=time.monotonic() - started), temperature=job.temperature,
-            level=opening.level, task_kind=opening.task_kind, messages=conversation, tools=opening.tools,
-        )
+        record = await self.player.play(job, env, session_id, msg)
+        traj = record.trajectory(job, self.replica_id)
         await self._publish_trajectory(traj)
         return traj
 
@@ -391,124 +263,14 @@ class RolloutWorker:
             await self._weights_loaded.wait_for(lambda: self.engine_version() >= version)
         log.info("sync_weights_waited", policy_version=version, seconds=round(time.monotonic() - started, 3))
 
-    @contextlib.asynccontextmanager
-    async def _touching(self, msg: Msg | None) -> AsyncIterator[None]:
-        """While a turn is being generated, tell JetStream every third of ``job_ack_wait_s`` that the job is
-        alive: a slow turn (a busy engine, a remote API taking a minute) must not get the job redelivered to
-        another replica, which would play the episode twice."""
-        if msg is None:
-            yield
-            return
-
-        async def touch() -> None:
-            while True:
-                await asyncio.sleep(max(0.2, self.cfg.job_ack_wait_s / 3))
-                try:
-                    await msg.in_progress()
-                except Exception as exc:  # the broker is restarting: the next touch or the turn's end retries
-                    log.warning("job_touch_failed", error=repr(exc))
-
-        task = supervise(touch(), "job_touch", None)
-        try:
-            yield
-        finally:
-            task.cancel()
-
-    @staticmethod
-    async def _cancel_quietly(env: EnvClient, replica_id: str, session_id: str) -> None:
-        try:
-            await env.cancel(replica_id, session_id, reason="rollout_aborted")
-        except Exception as exc:  # the env may be the thing that failed; its reaper cleans up then
-            log.warning("env_cancel_failed", session_id=session_id, error=repr(exc))
-
-    def api_turn(self, action: dict[str, Any]) -> Generation:
-        """An API model's turn in the trajectory: its message as our tokenizer writes it, no logprobs, no
-        policy version (like the oracle's turns), the engine id naming the server's model."""
-        self.turn_sources["openai"] += 1
-        try:
-            text = render_tool_call(action)
-        except (ValueError, TypeError, KeyError):  # arguments that are not JSON: keep them as the server sent them
-            text = f"{action.get('content') or ''}\n<tool_call>{json.dumps(action.get('tool_calls'))}</tool_call>"
-        ids = self.tokenizer.encode(text, add_special_tokens=False) + [self.end_of_turn]
-        return Generation(ids, [0.0] * len(ids), "stop", f"openai:{self.cfg.openai_model}", ORACLE_POLICY_VERSION)
-
-    async def next_turn(self, tokens: list[int], job: EpisodeJob, env: EnvClient, env_replica: str,
-                        session_id: str) -> Generation:
-        """One assistant turn: the env's oracle, an engine drawn from the pool, or the local engine."""
-        if self.cfg.engine == "oracle":
-            self.turn_sources["oracle"] += 1
-            message = await env.oracle(env_replica, session_id)
-            ids = self.tokenizer.encode(render_tool_call(message), add_special_tokens=False) + [self.end_of_turn]
-            return Generation(ids, [0.0] * len(ids), "stop", ORACLE_ENGINE_ID, ORACLE_POLICY_VERSION)
-        assert self.engine is not None
-        if self.cfg.cross_policy_prob > 0 and self.rng.random() < self.cfg.cross_policy_prob:
-            try:
-                reply = await self.nc.request(self.subjects.gen_pool(self.cfg.pool), encode(GenerateRequest(
-                    prompt=tokens, max_new_tokens=job.max_new_tokens, temperature=job.temperature)),
-                    timeout=self.cfg.env_timeout_s)
-                if reply.headers and ERROR_CODE_HEADER in reply.headers:
-                    raise RuntimeError(reply.headers.get(ERROR_HEADER, "pool engine error"))
-                g = decode(reply.data, GenerateReply)
-                self.turn_sources["pool"] += 1
-                return Generation(g.tokens, g.logprobs, g.finish_reason, g.engine_id, g.policy_version,
-                                  g.weights_digest)
-            except Exception as exc:  # no pool engine answered: generate locally rather than stall
-                log.warning("pool_generate_failed", error=repr(exc))
-        self.turn_sources["local"] += 1
-        return self.with_digest(await self.engine.generate(tokens, job.max_new_tokens, job.temperature))
-
     def with_digest(self, gen: Generation) -> Generation:
         """A turn of our engine, naming the weights it held: the digest of the version it says it played with."""
-        gen.weights_digest = self.weights_digests.get(gen.policy_version, "")
-        return gen
-
-    def _check_generate(self, req: GenerateRequest) -> str | None:
-        """Bounds the schema cannot know: token ids this tokenizer has, a context the engine can hold."""
-        vocab = len(self.tokenizer)
-        if not req.prompt:
-            return "generate_request.prompt: empty"
-        if max(req.prompt) >= vocab:
-            return f"generate_request.prompt: token id {max(req.prompt)} is outside the vocabulary ({vocab})"
-        if not 0 < req.max_new_tokens <= self.cfg.max_context_tokens - len(req.prompt):
-            return (f"generate_request.max_new_tokens: {req.max_new_tokens} does not fit the context "
-                    f"({len(req.prompt)} prompt tokens of {self.cfg.max_context_tokens})")
-        if not 0.0 <= req.temperature <= 10.0 or req.temperature != req.temperature:
-            return f"generate_request.temperature: {req.temperature} is outside [0, 10]"
-        return None
+        return weights_named(gen, self.weights_digests)
 
     async def serve_pool(self) -> Any:
         """Offer this replica's engine to the pool: requests from any replica, one turn each."""
         assert self.engine is not None
-        engine = self.engine
-
-        async def generate(request: Request) -> None:
-            async def run() -> None:
-                try:
-                    req = decode(request.data, GenerateRequest)
-                    problem = self._check_generate(req)
-                    if problem:  # a hostile request must not reach the engine's shared batch
-                        await request.respond_error("400", problem)
-                        return
-                    g = self.with_digest(await engine.generate(req.prompt, req.max_new_tokens, req.temperature))
-                    await request.respond(encode(GenerateReply(tokens=g.tokens, logprobs=g.logprobs,
-                                                               finish_reason=g.finish_reason, engine_id=g.engine_id,
-                                                               policy_version=g.policy_version,
-                                                               weights_digest=g.weights_digest)))
-                except BadMessage as exc:
-                    await request.respond_error(str(exc.code), exc.reason)
-                except Exception as exc:
-                    log.exception("pool_generate_error")
-                    await request.respond_error("500", repr(exc))
-
-            task = supervise(run(), "pool_request", None)  # the engine batches concurrent requests
-            self._pool_tasks.add(task)
-            task.add_done_callback(self._pool_tasks.discard)
-
-        service = await add_service(self.nc, name=f"{self.subjects.prefix}-engine", version="1.0.0",
-                                    metadata={"engine_id": engine.engine_id, "kind": self.cfg.engine_kind})
-        await service.add_endpoint(name="generate", subject=self.subjects.gen_pool(self.cfg.pool), handler=generate,
-                                   queue_group=self.subjects.gen_queue_group)
-        return service
+        return await serve_pool(self.nc, self.subjects, self.cfg, self.engine, len(self.tokenizer), self.with_digest)
 
     # ------------------------------------------------------------------ weights
     async def follow_weights(self, poll_s: float = 5.0) -> None:

@@ -20,6 +20,7 @@ from services.trainer.batch import rl_trainable
 from services.trainer.records import EpisodeOutcome
 from shared.bus import dead_letter, decode_or_dead_letter, retrying, term_quietly
 from shared.config import RolloutConfig, TrainerConfig
+from shared.keepalive import keep_touching
 from shared.messages import Trajectory
 from shared.subjects import Subjects
 
@@ -217,16 +218,11 @@ class Intake:
         await ack_all([m for g in groups for m in g.messages()])
         self.in_step = []
 
+    def held(self) -> list[Msg]:
+        """Every trajectory we hold: the waiting groups' and the step's being taken."""
+        return [h.msg for g in list(self.groups.values()) for h in list(g.items.values())] + list(self.in_step)
+
     async def keep_held(self, stop: asyncio.Event) -> None:
-        """``in_progress`` for every trajectory we hold (waiting groups and the step being taken), every
-        quarter of ack_wait: while we live nothing is redelivered; when we die it all is, within ack_wait."""
-        every = max(0.5, self.cfg.ack_wait_s / 4)
-        while not stop.is_set():
-            await asyncio.sleep(every)
-            held = [h.msg for g in list(self.groups.values()) for h in list(g.items.values())] + list(self.in_step)
-            for msg in held:
-                try:
-                    await msg.in_progress()
-                except Exception as exc:  # reconnecting: the next round touches them again
-                    log.info("touch_failed", error=type(exc).__name__)
-                    break
+        """``in_progress`` for every trajectory we hold, every quarter of ack_wait: while we live nothing is
+        redelivered; when we die it all is, within ack_wait."""
+        await keep_touching(self.held, max(0.5, self.cfg.ack_wait_s / 4), "trajectory", stop)
