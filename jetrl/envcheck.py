@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from jetrl.launch import declare_as_admin
+from jetrl.supervisor import Supervisor, spawn_env
 from shared.auth import generate_passwords, server_authorization
 from shared.bus import connect
 from shared.config import ConfigError, JetRLConfig, load_config, save_config
@@ -35,7 +37,7 @@ from shared.envapi import EnvClient, EnvError
 from shared.messages import EnvStarted, EnvStep
 from shared.natsd import EmbeddedNats
 from shared.subjects import Subjects
-from shared.tasks import check_sections, find_task
+from shared.tasks import TaskSource, check_sections, find_task
 
 SPLITS = ("train", "test")
 
@@ -253,8 +255,6 @@ async def check(cfg: JetRLConfig, task: str, episodes: int, wait_s: float, alive
 
 
 def cmd_env_check(task: str, config: str | None, overrides: list[str], episodes: int, wait_s: float) -> int:
-    from jetrl.cli import Supervisor, _declare_topology, spawn_env
-
     # bad calls must get observations, whatever the run does with them
     cfg = load_config(config, [*overrides, "env.invalid_action_ends_episode=false"])
     try:
@@ -268,15 +268,14 @@ def cmd_env_check(task: str, config: str | None, overrides: list[str], episodes:
         verdicts = asyncio.run(check(cfg, task, episodes, wait_s))
     else:
         with tempfile.TemporaryDirectory(prefix="jetrl-env-check-") as tmp:
-            verdicts = _check_started(cfg, source, episodes, wait_s, Path(tmp), config, Supervisor,
-                                      _declare_topology, spawn_env)
+            verdicts = _check_started(cfg, source, episodes, wait_s, Path(tmp), config)
     print(f"env-check {task}: {verdicts.passed + 1} passed, {len(verdicts.failed)} failed"
           + (f" ({', '.join(verdicts.failed)})" if verdicts.failed else ""))
     return 1 if verdicts.failed else 0
 
 
-def _check_started(cfg: JetRLConfig, source: Any, episodes: int, wait_s: float, run_dir: Path, config: str | None,
-                   supervisor: Any, declare: Any, spawn_env: Any) -> Verdicts:
+def _check_started(cfg: JetRLConfig, source: TaskSource, episodes: int, wait_s: float, run_dir: Path,
+                   config: str | None) -> Verdicts:
     """A fresh nats-server with a user per role, the task's env started as ``jetrl up`` would, then the checks."""
     cfg.run.dir = str(run_dir)
     auth_dir = run_dir / "nats" / "auth"
@@ -287,10 +286,10 @@ def _check_started(cfg: JetRLConfig, source: Any, episodes: int, wait_s: float, 
     cfg.nats.url = server.start()
     sup = None
     try:
-        asyncio.run(declare(cfg))
+        asyncio.run(declare_as_admin(cfg))
         config_path = run_dir / "config.toml"
         save_config(cfg, config_path)
-        sup = supervisor(cfg, config_path, run_dir)
+        sup = Supervisor(cfg, config_path, run_dir)
         spawn_env(sup, cfg, source, 0, str(Path(config).resolve().parent) if config else str(Path.cwd()))
         verdicts = asyncio.run(check(cfg, source.task, episodes, wait_s, alive=lambda: not sup.dead()))
         if sup.dead():

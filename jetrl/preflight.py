@@ -13,6 +13,7 @@ import importlib.util
 import json
 from pathlib import Path
 
+from jetrl.errors import CliError
 from shared.config import ConfigError, JetRLConfig
 from shared.tasks import UnknownTask, known_tasks
 
@@ -23,6 +24,13 @@ def did_you_mean(name: str, choices: list[str] | tuple[str, ...]) -> str:
     """`` (did you mean 'tasks'?)`` for a near miss, else ''."""
     near = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.6)
     return f" (did you mean {near[0]!r}?)" if near else ""
+
+
+def preflight(cfg: JetRLConfig, serving: bool = False) -> None:
+    """Refuse to start a run whose config has a problem: all of them, one line each."""
+    problems = check_config(cfg, serving=serving)
+    if problems:
+        raise CliError("\n".join(problems))
 
 
 def check_config(cfg: JetRLConfig, serving: bool = False) -> list[str]:

@@ -27,6 +27,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from jetrl.launch import launch
+from jetrl.rundir import keep_earlier_run
 from shared.config import JetRLConfig, load_config
 
 WARM_START_KEYS = ("model", "env", "warmstart")
@@ -73,13 +75,11 @@ def run_probe(args: argparse.Namespace, overrides: list[str], cfg: JetRLConfig, 
               model: Path, reuse: bool) -> dict[str, Any] | None:
     """``jetrl probe`` of ``model``; its sampled report per task (kept in ``run_dir``, and taken from there
     when ``reuse``), or None if it failed."""
-    from jetrl.cli import cmd_up
-
     report_file = run_dir / "eval.json"
     if not (reuse and report_file.is_file()):
         if run_dir.exists():
             shutil.rmtree(run_dir)  # an interrupted probe, or one of an earlier model
-        if cmd_up(args, overrides + probe_overrides(cfg, run_dir, model), mode="probe"):
+        if launch(args, overrides + probe_overrides(cfg, run_dir, model), mode="probe"):
             return None
     return json.loads(report_file.read_text()).get("sampled")
 
@@ -99,8 +99,6 @@ def summary(before: dict[str, Any], after: dict[str, Any], rl_steps: int, sample
 
 
 def cmd_quickstart(args: argparse.Namespace, overrides: list[str]) -> int:
-    from jetrl.cli import cmd_up
-
     cfg = load_config(args.config, overrides)
     run_dir = Path(cfg.run.dir).resolve()
     warm = warm_start_dir(cfg)
@@ -112,7 +110,7 @@ def cmd_quickstart(args: argparse.Namespace, overrides: list[str]) -> int:
     else:
         print(f"jetrl quickstart: building the warm start ({cfg.warmstart.steps} steps x "
               f"{cfg.warmstart.demonstrations} oracle demonstrations, cached in {warm})", flush=True)
-        rc = cmd_up(args, overrides + sft_overrides(cfg, warm), mode="sft")
+        rc = launch(args, overrides + sft_overrides(cfg, warm), mode="sft")
         if rc:
             return rc
         (model / "READY").write_text("ok\n")
@@ -122,12 +120,9 @@ def cmd_quickstart(args: argparse.Namespace, overrides: list[str]) -> int:
     if probing:
         print("jetrl quickstart: probing the warm start on the training tasks", flush=True)
         before = run_probe(args, overrides, cfg, warm / probe_name, model, reuse=True)
-    if run_dir.exists():  # RL starts from the warm start each time, not from an earlier run's checkpoints
-        kept = run_dir.with_name(f"{run_dir.name}-{int(run_dir.stat().st_mtime)}")
-        run_dir.rename(kept)
-        print(f"jetrl quickstart: the earlier run in {run_dir} is kept as {kept}", flush=True)
+    keep_earlier_run(run_dir, "quickstart", resumable=False)  # RL starts from the warm start, not an earlier run
     print("jetrl quickstart: RL from the warm start", flush=True)
-    rc = cmd_up(args, overrides + [f"model.name={model}"], mode="up")
+    rc = launch(args, overrides + [f"model.name={model}"], mode="up")
     if rc or not probing:
         return rc
     print("jetrl quickstart: probing the RL result on the same tasks", flush=True)

@@ -34,6 +34,7 @@ from nats.aio.client import Client
 
 from jetrl.errors import CliError
 from jetrl.streams import TrajectoryStream, open_run
+from jetrl.supervisor import Supervisor, spawn_env  # the way `jetrl up` starts a task's env (shared/tasks.py)
 from shared.bus import connect
 from shared.config import load_config, save_config
 from shared.envapi import EnvClient, EnvError, episode_seed
@@ -213,8 +214,6 @@ def cmd_reverify(args: argparse.Namespace, overrides: list[str]) -> int:
         cfg.nats.prefix = "reverify"
         config_path = Path(scratch) / "reverify.toml"
         save_config(cfg, config_path)
-        from jetrl.cli import Supervisor, spawn_env  # the way `jetrl up` starts a task's env (shared/tasks.py)
-
         logs_dir = out.parent / "reverify"
         sup = Supervisor(cfg, config_path, logs_dir)
         try:

@@ -188,7 +188,7 @@ def test_stopping_a_run_gives_the_trainer_time_to_save_and_kills_a_stuck_role(tm
     import sys
     import time
 
-    from jetrl.cli import Supervisor
+    from jetrl.supervisor import Supervisor
 
     saved = tmp_path / "model-saved"
     trainer = ("import signal, time, pathlib\n"

@@ -9,12 +9,15 @@ from typing import Any
 
 import msgspec
 import pytest
+from nats.js.errors import KeyNotFoundError
 from structlog.testing import capture_logs
 
 from services.controller.controller import Controller
 from shared import lifecycle
 from shared.lifecycle import supervise
-from shared.messages import DeadLetter, Trajectory, TurnInfo, decode, encode
+from shared.messages import DeadLetter, Heartbeat, Trajectory, TurnInfo, decode, encode
+from shared.service import Service
+from shared.subjects import Subjects
 
 NESTED = b"\x91" * 1000 + b"\x00"  # 1,001 bytes that made msgspec raise RecursionError
 
@@ -63,6 +66,29 @@ async def test_a_background_task_that_raises_is_logged_and_restarted_or_ends_the
     assert failed[:2] == [("flaky", "restarting in 0.01 s")] * 2
     assert ("one_message", "") in failed and ("loop", "stopping the service to be restarted") in failed
     assert all("exc_info" in e for e in logs if e["event"] == "task_failed")  # with the traceback
+
+
+async def test_a_service_holds_its_connection_and_jobs_until_it_exits(nc, config, subjects) -> None:
+    """The skeleton of every entry point: connected, heartbeating under its name, jobs supervised; on
+    the way out every job is cancelled and the connection closed, and nothing stops it before."""
+    svc = Service(config, "env-db", "env-db-skeleton", role="env")
+    async with svc:
+        await svc.connect()
+        job = svc.background("job", lambda: asyncio.sleep(3600))
+        svc.heartbeat({"task": "db"})
+        registry = await svc.js.key_value(subjects.registry_kv)
+        key = Subjects.registry_key("env-db", "env-db-skeleton")
+        beat = None
+        for _ in range(100):  # the first beat goes out once the job has started
+            try:
+                beat = decode((await registry.get(key)).value, Heartbeat)
+                break
+            except KeyNotFoundError:
+                await asyncio.sleep(0.05)
+        assert beat is not None and (beat.role, beat.replica_id, beat.info) == ("env-db", "env-db-skeleton", {"task": "db"})
+        assert not job.done() and svc.nc.is_connected
+    await asyncio.sleep(0)
+    assert job.cancelled() and svc.nc.is_closed and not svc.stop.is_set()
 
 
 async def letters(js: Any, subjects: Any, want: int) -> list[DeadLetter]:

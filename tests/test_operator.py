@@ -121,7 +121,7 @@ def test_a_long_build_reports_the_megabytes_it_has_written(tmp_path, monkeypatch
 async def test_jetrl_eval_progress_reads_the_controllers_plan(nc, config, subjects, tmp_path, capfd,
                                                               monkeypatch) -> None:
     """`jetrl eval` shows finished episodes against the controller's plan, per task, from /status."""
-    from jetrl.cli import _EvalProgress
+    from jetrl.run_progress import EvalProgress
     from services.controller.api import create_app
     from services.controller.controller import Controller
     from tests.test_dashboard import served
@@ -132,7 +132,7 @@ async def test_jetrl_eval_progress_reads_the_controllers_plan(nc, config, subjec
     controller.books["db"].finished, controller.books["kg"].finished = 6, 0
     async with served(create_app(controller)) as client:
         (tmp_path / "controller.url").write_text(str(client.base_url) + "\n")
-        progress = _EvalProgress(tmp_path, every_s=0.0)
+        progress = EvalProgress(tmp_path, every_s=0.0)
         await progress.poll()
         controller.books["kg"].finished = 4
         await progress.poll()
@@ -147,7 +147,7 @@ def test_a_child_of_jetrl_up_reads_the_effective_config_not_the_variables_again(
     so does every child, which reads that config and not the variables a second time."""
     import time
 
-    from jetrl.cli import Supervisor
+    from jetrl.supervisor import Supervisor
     from shared.config import load_config, save_config
 
     monkeypatch.setenv("JETRL__TRAINER__STEPS", "5")

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from jetrl.cli import CrashLoop, Supervisor
+from jetrl.supervisor import CrashLoop, Supervisor
 from services.envs.base import Episode, TaskEnv, ToolCall, ToolResult
 from services.envs.host import EnvHost
 from services.trainer.trainer import Trainer
@@ -349,17 +349,17 @@ def test_a_server_with_a_smaller_max_payload_is_refused_at_connect(tmp_path: Pat
 
 
 def test_a_fresh_jetrl_up_keeps_the_earlier_run_and_resume_keeps_it_in_place(tmp_path: Path) -> None:
-    from jetrl.cli import _keep_earlier_run
+    from jetrl.rundir import keep_earlier_run
 
     run = tmp_path / "latest"
     (run / "checkpoints" / "step_000003").mkdir(parents=True)
     (run / "config.toml").write_text("")
-    _keep_earlier_run(run, "up")
+    keep_earlier_run(run, "up")
     assert not run.exists()
     kept = [p for p in tmp_path.iterdir() if p.name.startswith("latest-")]
     assert len(kept) == 1 and (kept[0] / "checkpoints" / "step_000003").is_dir()
     run.mkdir()
-    _keep_earlier_run(run, "up")  # an empty directory (or one without a run) is used as it is
+    keep_earlier_run(run, "up")  # an empty directory (or one without a run) is used as it is
     assert run.is_dir()
 
 

@@ -312,8 +312,8 @@ def test_jetrl_up_trainer_ranks_command() -> None:
     sharing the trainer's threads otherwise, a clear error without DeepSpeed or for N < 1."""
     import importlib.util
 
-    from jetrl.cli import trainer_command
     from jetrl.errors import CliError
+    from jetrl.supervisor import trainer_command
 
     assert trainer_command(1, 2) == (["services.trainer"], [])
     with pytest.raises(CliError, match="must be >= 1"):

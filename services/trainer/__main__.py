@@ -7,31 +7,24 @@ from __future__ import annotations
 
 import asyncio
 import sys
-from contextlib import AsyncExitStack
 from pathlib import Path
 
 import torch
 
 from services.trainer.trainer import Trainer
 from shared.auth import manages_topology
-from shared.bus import connect, declare_topology, heartbeat_loop, replica_name
+from shared.bus import replica_name
 from shared.config import from_argv
-from shared.lifecycle import close_connection, exit_code, install_stop, stop_if_connection_closed, supervise
-from shared.log import setup_logging
+from shared.lifecycle import exit_code
 from shared.messages import TrainingFinished, encode
 from shared.model import load_model, load_tokenizer, quiet_transformers, resolve_model
+from shared.service import Service
 from shared.signing import signer_for, verifier_for
-from shared.subjects import Subjects
 
 
 async def main(argv: list[str]) -> None:
     cfg, _ = from_argv(argv)
-    replica_id = replica_name("trainer")
-    log = setup_logging("trainer", replica_id, cfg.run.log_level, cfg.run.log_format)
-    stop = asyncio.Event()
-    install_stop(stop, grace_s=240.0)  # finishes its step and saves <run>/model first
-
-    subjects = Subjects(cfg.nats.prefix)
+    svc = Service(cfg, "trainer", replica_name("trainer"), grace_s=240.0)  # finishes its step, saves <run>/model
     quiet_transformers()
     torch.manual_seed(cfg.run.seed)
     torch.set_num_threads(cfg.trainer.torch_threads)
@@ -45,33 +38,28 @@ async def main(argv: list[str]) -> None:
         trainer_cls = await asyncio.to_thread(start_ranks, cfg, model, run_dir)
     elif cfg.trainer.backend != "torch":
         raise SystemExit(f"unknown trainer.backend {cfg.trainer.backend!r} (torch | deepspeed)")
-    async with AsyncExitStack() as stack:
-        nc = await connect(cfg.nats, replica_id, role="trainer")
-        stack.push_async_callback(close_connection, nc)
-        watch = supervise(stop_if_connection_closed(nc, stop), "connection_watch", stop)
-        stack.callback(watch.cancel)
-        js = nc.jetstream()
-        await declare_topology(js, subjects, cfg.nats, cfg.controller.heartbeat_ttl_s, role="trainer")
-        trainer = trainer_cls(nc, js, subjects, cfg.trainer, model, run_dir, replica_id)
+    async with svc:
+        await svc.connect()
+        trainer = trainer_cls(svc.nc, svc.js, svc.subjects, cfg.trainer, model, run_dir, svc.replica_id)
         trainer.creates_durables = manages_topology(cfg.nats, "trainer")
         trainer.context_tokens = cfg.rollout.max_context_tokens  # what trainer.max_tokens defaults to
         trainer.signer, trainer.policy_verifier = signer_for(cfg.nats), verifier_for(cfg.nats, "trainer")
         trainer.resume()  # a restarted trainer continues from its newest checkpoint
         await trainer.adopt_announced_version()  # versions only go up, across restarts and trainers
-        beat = supervise(lambda: heartbeat_loop(js, subjects, "trainer", replica_id, {"steps": cfg.trainer.steps}),
-                         "heartbeat", stop, restart_s=1.0)
-        stack.callback(beat.cancel)
-        log.info("trainer_ready", model=str(model_path), steps=cfg.trainer.steps, min_groups=cfg.trainer.min_groups)
-        await trainer.run(stop)
+        svc.heartbeat({"steps": cfg.trainer.steps})
+        svc.log.info("trainer_ready", model=str(model_path), steps=cfg.trainer.steps, min_groups=cfg.trainer.min_groups)
+        await trainer.run(svc.stop)
         if trainer.step >= cfg.trainer.steps:  # done, not stopped part-way: say so (the controller ends the plan)
-            finished = TrainingFinished(step=trainer.step, policy_version=trainer.policy_version, replica_id=replica_id)
-            await nc.publish(subjects.training_finished, encode(trainer.signer.sign(finished) if trainer.signer
-                                                                else finished))
-            await nc.flush()
+            finished = TrainingFinished(step=trainer.step, policy_version=trainer.policy_version,
+                                        replica_id=svc.replica_id)
+            await svc.nc.publish(svc.subjects.training_finished,
+                                 encode(trainer.signer.sign(finished) if trainer.signer else finished))
+            await svc.nc.flush()
         # The final policy as a Hugging Face directory: `--model.name=<run>/model` starts from it.
         await asyncio.to_thread(trainer.export, run_dir / "model")  # full weights (LoRA merged, ZeRO-3 gathered)
         await asyncio.to_thread(load_tokenizer(model_path).save_pretrained, run_dir / "model")
-        log.info("trainer_done", step=trainer.step, policy_version=trainer.policy_version, model=str(run_dir / "model"))
+        svc.log.info("trainer_done", step=trainer.step, policy_version=trainer.policy_version,
+                     model=str(run_dir / "model"))
 
 
 if __name__ == "__main__":
