@@ -75,23 +75,6 @@ class Trainer:
         """The full model as trained so far (what is published, checkpointed and exported)."""
         return self.backend.published_model()
 
-    # what the entry point sets: the run's signing key and the rollout's context limit
-    @property
-    def signer(self) -> Any:
-        return self.publisher.signer
-
-    @signer.setter
-    def signer(self, signer: Any) -> None:
-        self.publisher.signer = signer
-
-    @property
-    def context_tokens(self) -> int:
-        return self.intake.context_tokens
-
-    @context_tokens.setter
-    def context_tokens(self, tokens: int) -> None:
-        self.intake.context_tokens = tokens
-
     def export(self, path: Path) -> None:
         """The final policy as a plain Hugging Face directory (LoRA merged in): ``--model.name=<path>``."""
         export(self.model, self.lora, path)
