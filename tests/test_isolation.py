@@ -152,7 +152,7 @@ async def test_the_trainer_judges_each_trajectory_alone(nc, config, subjects, ti
         assert "expected a msgpack map" in dead[0].reason and "nested too deep" in dead[1].reason
         assert dead[2].reason.startswith("trajectory: 7 tokens, more than the 6 the trainer takes for task 'db'")
         trainer.cfg.max_tokens = {}  # unset: the rollout's context limit
-        assert trainer.intake.token_limit("db") == config.rollout.max_context_tokens == trainer.context_tokens
+        assert trainer.intake.token_limit("db") == config.rollout.max_context_tokens == trainer.intake.context_tokens
     finally:
         stop.set()
         await asyncio.wait_for(running, 10.0)

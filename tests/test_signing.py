@@ -113,7 +113,7 @@ async def test_a_rollout_loads_the_trainers_signed_weights_and_refuses_a_forged_
     signed_config(config, tmp_path, "trainer")
     js = nc.jetstream()
     trainer = Trainer(nc, js, subjects, config.trainer, load_model(model_path), tmp_path / "trainer", "trainer-test")
-    trainer.signer = signer_for(config.nats)
+    trainer.publisher.signer = signer_for(config.nats)
     config.rollout.engine = "oracle"  # no engine: what matters is what it takes for the policy's newest version
     worker = RolloutWorker(nc, js, subjects, config.rollout, None, load_tokenizer(model_path), "rollout-test")
     worker.trainer_verifier = verifier_for(config.nats, "trainer")

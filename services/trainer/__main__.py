@@ -42,8 +42,9 @@ async def main(argv: list[str]) -> None:
         await svc.connect()
         trainer = trainer_cls(svc.nc, svc.js, svc.subjects, cfg.trainer, model, run_dir, svc.replica_id)
         trainer.creates_durables = manages_topology(cfg.nats, "trainer")
-        trainer.context_tokens = cfg.rollout.max_context_tokens  # what trainer.max_tokens defaults to
-        trainer.signer, trainer.policy_verifier = signer_for(cfg.nats), verifier_for(cfg.nats, "trainer")
+        trainer.intake.context_tokens = cfg.rollout.max_context_tokens  # what trainer.max_tokens defaults to
+        signer = signer_for(cfg.nats)
+        trainer.publisher.signer, trainer.policy_verifier = signer, verifier_for(cfg.nats, "trainer")
         trainer.resume()  # a restarted trainer continues from its newest checkpoint
         await trainer.adopt_announced_version()  # versions only go up, across restarts and trainers
         svc.heartbeat({"steps": cfg.trainer.steps})
@@ -53,7 +54,7 @@ async def main(argv: list[str]) -> None:
             finished = TrainingFinished(step=trainer.step, policy_version=trainer.policy_version,
                                         replica_id=svc.replica_id)
             await svc.nc.publish(svc.subjects.training_finished,
-                                 encode(trainer.signer.sign(finished) if trainer.signer else finished))
+                                 encode(signer.sign(finished) if signer else finished))
             await svc.nc.flush()
         # The final policy as a Hugging Face directory: `--model.name=<run>/model` starts from it.
         await asyncio.to_thread(trainer.export, run_dir / "model")  # full weights (LoRA merged, ZeRO-3 gathered)

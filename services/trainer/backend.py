@@ -33,10 +33,15 @@ class Backend(Protocol):
     model: Any  # the module the update runs forward and backward
     optimizer: Any  # what a checkpoint keeps the state of (``state_dict()``)
     checkpoint_part: str  # an entry the backend adds to each checkpoint directory ("" = none)
+    # every forward/backward pass takes part in collectives (ZeRO over several ranks): a pass with a
+    # non-finite loss still runs, where one rank alone just leaves it out
+    collective_passes: bool
 
     def zero_grad(self) -> None: ...
 
-    def backward(self, loss: torch.Tensor) -> None: ...
+    def backward(self, loss: torch.Tensor) -> None:
+        """This rank's part of the batch's loss (each rank divides by the whole batch's token count)."""
+        ...
 
     def step(self, skip: bool) -> StepResult:
         """Clip and step (unless ``skip``: a non-finite loss on this rank)."""
@@ -76,6 +81,7 @@ class TorchBackend:
     rank, world = 0, 1
     device = torch.device("cpu")
     checkpoint_part = ""
+    collective_passes = False
 
     def __init__(self, model: Any, cfg: TrainerConfig) -> None:
         self.model, self.cfg = model, cfg

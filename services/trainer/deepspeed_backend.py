@@ -46,6 +46,7 @@ import torch
 from services.trainer.backend import StepResult, TrainShare
 from services.trainer.data_parallel import RankShare
 from services.trainer.trainer import Trainer
+from services.trainer.update import StepLedger
 from shared.config import JetRLConfig, TrainerConfig
 from shared.subjects import Subjects
 
@@ -73,11 +74,11 @@ def ds_config(cfg: TrainerConfig) -> dict[str, Any]:
     }
 
 
-class _DeepSpeedOptimizer:
+class _ShardedOptimizer:
     """What a checkpoint asks of ``backend.optimizer``; the engine owns the real one."""
 
-    def __init__(self, engine: Any, stage: int) -> None:
-        self.engine, self.stage = engine, stage
+    def __init__(self, stage: int) -> None:
+        self.stage = stage
 
     def state_dict(self) -> dict[str, Any]:
         # The optimizer state is in the ZeRO shards beside trainer_state.pt (CHECKPOINT_TAG); this marks it.
@@ -109,6 +110,7 @@ class DeepSpeedBackend:
 
         self.cfg = cfg
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.collective_passes = self.world > 1
         self.device = torch.device(get_accelerator().current_device_name())
         # ZeRO-3 keeps 1/world of each parameter per rank: rank 0 gathers into this full copy for publishing
         # (copied before deepspeed.initialize partitions the model).
@@ -117,7 +119,7 @@ class DeepSpeedBackend:
         self.engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                                     config=ds_config(cfg))
         self.model = self.engine.module  # the HF model itself: the update calls its decoder and LM head
-        self.optimizer = _DeepSpeedOptimizer(self.engine, cfg.zero_stage)
+        self.optimizer = _ShardedOptimizer(cfg.zero_stage)
         self._pending: torch.Tensor | None = None
         log.info("deepspeed_ready", rank=self.rank, world=self.world, zero_stage=cfg.zero_stage,
                  dtype=cfg.ds_dtype, device=str(self.device))
@@ -127,6 +129,9 @@ class DeepSpeedBackend:
         self.engine.zero_grad()
 
     def backward(self, loss: torch.Tensor) -> None:
+        # The ranks' gradients are averaged (ZeRO): each rank's share of the sum, times the ranks.
+        if self.world > 1:
+            loss = loss * self.world
         # DeepSpeed must know which backward is the last before the step (that one reduces the gradients);
         # the update does not say, so each backward runs one call late, as a non-final pass.
         if self._pending is not None:
@@ -272,6 +277,7 @@ def start_ranks(cfg: JetRLConfig, model: Any, run_dir: Path) -> Callable[..., Tr
         return partial(Trainer, make_backend=DeepSpeedBackend)
     follower = Trainer(None, None, Subjects(cfg.nats.prefix), cfg.trainer, model,  # type: ignore[arg-type]
                        run_dir / f"rank{rank}", f"trainer-rank{rank}", make_backend=DeepSpeedBackend)
-    follower.follow()
+    backend: DeepSpeedBackend = follower.backend  # type: ignore[assignment]
+    backend.follow(lambda share: follower.train_share(share, StepLedger(share.step + 1, follower.counters)))
     dist.destroy_process_group()
     raise SystemExit(0)

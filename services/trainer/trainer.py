@@ -72,28 +72,12 @@ class Trainer:
 
     @property
     def model(self) -> Any:
-        return self.backend.model
-
-    # what the entry point sets: the run's signing key and the rollout's context limit
-    @property
-    def signer(self) -> Any:
-        return self.publisher.signer
-
-    @signer.setter
-    def signer(self, signer: Any) -> None:
-        self.publisher.signer = signer
-
-    @property
-    def context_tokens(self) -> int:
-        return self.intake.context_tokens
-
-    @context_tokens.setter
-    def context_tokens(self, tokens: int) -> None:
-        self.intake.context_tokens = tokens
+        """The full model as trained so far (what is published, checkpointed and exported)."""
+        return self.backend.published_model()
 
     def export(self, path: Path) -> None:
         """The final policy as a plain Hugging Face directory (LoRA merged in): ``--model.name=<path>``."""
-        export(self.backend.published_model(), self.lora, path)
+        export(self.model, self.lora, path)
 
     def resume(self) -> bool:
         """Continue from the newest checkpoint of the run directory, if any: same weights, optimizer,
@@ -165,7 +149,7 @@ class Trainer:
             self.run_state.record_version(self.policy_version)
             if self.cfg.mode == "rl":  # SFT plays the envs' oracles: no engine reads weights until the export
                 publish_started = time.monotonic()
-                await self.publisher.publish(self.backend.published_model(), self.policy_version)
+                await self.publisher.publish(self.model, self.policy_version)
                 publish_s = time.monotonic() - publish_started
         if self.run_state.checkpoint_due(self.step):
             await asyncio.to_thread(self.write_checkpoint)
@@ -177,7 +161,7 @@ class Trainer:
         return stats
 
     def write_checkpoint(self) -> None:
-        self.run_state.write(trained_weights(self.backend.published_model(), self.lora), self.backend.optimizer,
+        self.run_state.write(trained_weights(self.model, self.lora), self.backend.optimizer,
                              self.step, self.policy_version)
 
     def optimise(self, trajs: list[Trajectory]) -> tuple[dict[str, Any], update.StepLedger]:
@@ -201,10 +185,6 @@ class Trainer:
             return {}
         stats: dict[str, Any] = {}
         batch = rl_batch(self.cfg, share, self.backend.all_reduce, stats)
-        reference = partial(update.reference_policy, self.model, self.ref_model) if self.cfg.kl_coef > 0 else None
+        reference = partial(update.reference_policy, self.backend.model, self.ref_model) if self.cfg.kl_coef > 0 else None
         return stats | update.policy_update(self.backend, self.cfg, batch, ledger, reference, lr)
-
-    def follow(self) -> None:
-        """Ranks > 0: train the shares rank 0 sends until it stops."""
-        self.backend.follow(lambda s: self.train_share(s, update.StepLedger(s.step + 1, self.counters)))
 

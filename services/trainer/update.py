@@ -61,7 +61,7 @@ class StepLedger:
         return self.stepped and not self.nonfinite
 
     def skip_nonfinite(self, what: str, backend: Backend) -> None:
-        if backend.world == 1:  # several ranks: mid-pass gradients are ZeRO's; DeepSpeed skips the step itself
+        if not backend.collective_passes:  # else mid-pass gradients are ZeRO's, and DeepSpeed skips the step
             backend.zero_grad()
         if not self.nonfinite:
             self.counters["train/nonfinite_skipped"] += 1
@@ -77,11 +77,6 @@ def optimizer_step(backend: Backend, ledger: StepLedger) -> float:
         return 0.0
     ledger.stepped = True
     return result.grad_norm
-
-
-def _backward(backend: Backend, loss: torch.Tensor) -> None:
-    # The ranks' gradients are averaged (ZeRO): each rank's share of the sum, times the ranks.
-    backend.backward(loss * backend.world if backend.world > 1 else loss)
 
 
 def policy_update(backend: Backend, cfg: TrainerConfig, batch: TrainBatch, ledger: StepLedger,
@@ -119,10 +114,10 @@ def policy_update(backend: Backend, cfg: TrainerConfig, batch: TrainBatch, ledge
             k += 1
             if not math.isfinite(float(loss.detach())):
                 ledger.skip_nonfinite(f"loss {float(loss.detach())}", backend)
-                if backend.world == 1:
+                if not backend.collective_passes:
                     continue
                 # the other ranks' passes wait for this one's collectives: run it; the step is skipped
-            _backward(backend, loss)
+            backend.backward(loss)
             totals += torch.tensor([float(loss.detach()) / parts, st["clipped"], st["approx_kl"],
                                     float(kl.detach()) / parts], dtype=torch.float64)
         grad_norm += optimizer_step(backend, ledger) / parts
@@ -161,9 +156,9 @@ def sft_update(backend: Backend, cfg: TrainerConfig, demos: list[Trajectory], le
         loss = -(logp[is_own].sum() + context_weight * logp[~is_own].sum()) / num_tokens
         if not math.isfinite(float(loss.detach())):
             ledger.skip_nonfinite(f"loss {float(loss.detach())}", backend)
-            if backend.world == 1:
+            if not backend.collective_passes:
                 continue
-        _backward(backend, loss)
+        backend.backward(loss)
         totals += torch.tensor([float(-logp[is_own].detach().sum()) / num_tokens,
                                 float(-logp[~is_own].detach().sum()), float((~is_own).sum()), 0.0],
                                dtype=torch.float64)
