@@ -113,8 +113,21 @@ async def three_steps(case: str, nc: Any, config: Any, subjects: Any, base_model
                                "stats": [{k: row[k] for k in STAT_KEYS if k in row} for row in rows]}
 
 
+@pytest.fixture
+def pinned_threads() -> Any:
+    """The thread count the fixture was recorded with: it decides the order of the kernels' sums, and a test
+    before this one may have changed it (an engine sets one thread)."""
+    before = torch.get_num_threads()
+    if PIN.exists() and os.environ.get("JETRL_PIN_WRITE") != "1":
+        recorded = next(iter(json.loads(PIN.read_text()).values()))["fingerprint"]
+        torch.set_num_threads(int(recorded.rsplit("threads ", 1)[1]))
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
-async def test_three_steps_leave_the_pinned_weights(case: str, nc, config, subjects, base_model, tmp_path) -> None:
+async def test_three_steps_leave_the_pinned_weights(case: str, nc, config, subjects, base_model, tmp_path,
+                                                    pinned_threads) -> None:
     got = await three_steps(case, nc, config, subjects, base_model, tmp_path)
     if os.environ.get("JETRL_PIN_WRITE") == "1":
         pins = json.loads(PIN.read_text()) if PIN.exists() else {}
@@ -129,7 +142,9 @@ async def test_three_steps_leave_the_pinned_weights(case: str, nc, config, subje
         for key, value in want_row.items():
             assert got_row[key] == pytest.approx(value, rel=1e-5, abs=1e-9), key
     assert sorted(got["tensors"]) == sorted(want["tensors"])
-    if want["fingerprint"] == fingerprint():
+    same_kernels = want["fingerprint"] == fingerprint()
+    if same_kernels:
         assert got["digest"] == want["digest"], "the update changed: the weights after three steps differ"
+    rel = 1e-5 if same_kernels else 1e-4  # other kernels add in another order; three Adam steps amplify it
     for name, figures in want["tensors"].items():
-        assert got["tensors"][name] == pytest.approx(figures, rel=1e-5, abs=1e-7), name
+        assert got["tensors"][name] == pytest.approx(figures, rel=rel, abs=1e-7), name
