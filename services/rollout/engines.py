@@ -27,10 +27,12 @@ def build_engine(cfg: JetRLConfig, model_path: Path, tokenizer: Any, engine_id: 
                                 max_batch=rollout.max_batch, prefill_chunk=rollout.prefill_chunk,
                                 cache_tokens=rollout.kv_cache_tokens, slot_tokens=rollout.kv_slot_tokens,
                                 max_context=rollout.max_context_tokens, seed=cfg.run.seed, device=rollout.device,
-                                own_thread=own_thread, matmul_dtype=rollout.matmul_dtype)
+                                own_thread=own_thread, matmul_dtype=rollout.matmul_dtype,
+                                adapter_versions=rollout.adapter_versions, adapter_keep_every=rollout.stale_every)
     if rollout.engine == "hf":
         return HFEngine(model_path, engine_id, end_of_turn, tokenizer.pad_token_id, threads=rollout.torch_threads,
-                        device=rollout.device, own_thread=own_thread)
+                        device=rollout.device, own_thread=own_thread, adapter_versions=rollout.adapter_versions,
+                        adapter_keep_every=rollout.stale_every)
     if rollout.engine == "vllm":  # scale-out: vllm is installed only where it runs (make venv-vllm)
         from services.rollout.vllm_engine import VLLMEngine
         return VLLMEngine(model_path, engine_id, end_of_turn, dtype=rollout.vllm_dtype,

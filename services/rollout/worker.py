@@ -84,7 +84,8 @@ class RolloutWorker:
             raise ValueError(f"rollout.engine={cfg.engine!r} needs a model engine")
         # engine = openai: turns come from an OpenAI-compatible server, in the API's message form
         self.chat_api = OpenAIChatClient(cfg) if cfg.engine == "openai" else None
-        self.turn_sources: dict[str, int] = {"local": 0, "pool": 0, "oracle": 0, "openai": 0}
+        # turns by where they came from; "held": an older version (or the base model) of this engine's own
+        self.turn_sources: dict[str, int] = {"local": 0, "pool": 0, "held": 0, "oracle": 0, "openai": 0}
         self.weights_digests: dict[int, str] = {}  # version -> digest of the weights loaded for it (its turns name it)
         rng = random.Random(zlib.crc32(replica_id.encode()))  # this replica's own cross-policy draws
         self.player = EpisodePlayer(turn_source(cfg, engine, tokenizer, nc, subjects, rng, self.weights_digests,
@@ -358,16 +359,22 @@ class RolloutWorker:
             del spare
             received = time.monotonic()
             state = weights_from_buffer(data)
+            adapter = None
             if note.format == "lora":  # an adapter: the full weights are the base's plus B @ A
                 if self.base_weights is None:
                     self.base_weights = await asyncio.to_thread(load_state_file, self.model_path)
+                # an engine that holds versions (rollout.adapter_versions) keeps the adapter beside them
+                adapter = state if self.cfg.adapter_versions > 0 else None
                 state = await asyncio.to_thread(merge_lora_delta, self.base_weights, state)
             elif note.format != "full":
                 raise ValueError(f"weights v{note.version}: unknown format {note.format!r}")
-            await self.engine.update_weights(state, note.version)
+            await self.engine.update_weights(state, note.version, adapter)
+            del adapter
             self.weights_digests[note.version] = note.digest  # what its turns of this version name
+            held = set(getattr(self.engine, "held_versions", ()))
             for old in sorted(self.weights_digests)[:-64]:  # a turn played with a version this old is long trained on
-                del self.weights_digests[old]
+                if old not in held:  # unless the engine still plays it
+                    del self.weights_digests[old]
             async with self._weights_loaded:
                 self._weights_loaded.notify_all()
             held = time.monotonic()
