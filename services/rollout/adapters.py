@@ -201,14 +201,16 @@ class AdapterSet:
         if not other.any():
             return None
         index = {h.version: i for i, h in enumerate(self.held)}
-        current = index.get(self.current)
         rows = np.flatnonzero(other)
+        versions = row_versions[rows]
         coefficients = np.zeros((len(rows), len(self.held)), dtype=np.float32)
-        for k, version in enumerate(row_versions[rows].tolist()):
-            if version != BASE_VERSION:
-                coefficients[k, index[version]] = 1.0
-            if current is not None:
-                coefficients[k, current] = -1.0
+        if self.current in index:  # every such row leaves the current version's adapter
+            coefficients[:, index[self.current]] = -1.0
+        adapted = np.flatnonzero(versions != BASE_VERSION)  # and takes its own (the base model has none)
+        if len(adapted):
+            unique, which = np.unique(versions[adapted], return_inverse=True)
+            columns = np.array([index[int(v)] for v in unique])
+            coefficients[adapted, columns[which]] = 1.0
         c = torch.from_numpy(coefficients)
         masks = {kind: c[:, columns] for kind, columns in self._column_versions.items()}
         return StepCorrections(None if len(rows) == len(row_versions) else torch.from_numpy(rows), masks)
