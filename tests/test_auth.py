@@ -24,11 +24,12 @@ from nats.aio.client import Client
 
 from services.controller.controller import Controller
 from shared.auth import ROLES, generate_passwords, inbox_prefix, role_permissions, run_users, server_authorization
-from shared.bus import connect, declare_topology, read_object
+from shared.bus import connect, declare_topology
 from shared.config import JetRLConfig, NatsConfig, save_config
 from shared.consumers import declare_durables
 from shared.messages import MetricsReport, TrainingFinished, Trajectory, TurnInfo, WeightsAnnouncement, decode, encode
 from shared.natsd import EmbeddedNats
+from shared.objectread import read_object
 from shared.subjects import Subjects
 
 REPO = Path(__file__).resolve().parent.parent

@@ -32,8 +32,9 @@ import uvicorn
 
 from services.controller.api import create_app
 from services.controller.controller import Controller
-from shared.bus import dead_letter, heartbeat_loop, publish_metrics
+from shared.bus import heartbeat_loop, publish_metrics
 from shared.config import JetRLConfig, save_config
+from shared.delivery import dead_letter
 from shared.messages import ActionEvent, ObservationEvent, Trajectory, TurnInfo, encode
 from tests.procs import stop_processes
 

@@ -13,8 +13,10 @@ import pytest
 
 from services.envs.base import ToolCall
 from services.envs.db import make_env
-from services.envs.db.backends import Limits, MariaDBServer, SQLiteDB
+from services.envs.db.backends import Limits
 from services.envs.db.config import DBTaskConfig
+from services.envs.db.mariadb_db import MariaDBServer
+from services.envs.db.sqlite_db import SQLiteDB
 from services.envs.db.tasks import Table
 from services.envs.host import EnvHost
 from shared.config import EnvConfig

@@ -20,8 +20,9 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from services.envs.base import Episode, TaskEnv, ToolCall, ToolResult
 from services.envs.host import EnvHost
-from shared.bus import Acker, connect, declare_topology
+from shared.bus import connect, declare_topology
 from shared.config import EnvConfig, JetRLConfig, save_config
+from shared.delivery import Acker
 from shared.envapi import EnvClient
 from shared.messages import EpisodeJob, encode
 from shared.natsd import EmbeddedNats

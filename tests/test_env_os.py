@@ -21,7 +21,8 @@ from services.envs.base import ToolCall, ToolError
 from services.envs.host import EnvHost
 from services.envs.os_task import OSEnv, OSEpisode
 from services.envs.os_task.config import OSTaskConfig
-from services.envs.os_task.sandbox import BwrapSandbox, SandboxError, rootfs_path
+from services.envs.os_task.rootfs import rootfs_path
+from services.envs.os_task.sandbox import BwrapSandbox, SandboxError
 from services.envs.os_task.tasks import (
     COMPARISONS,
     FAMILIES,

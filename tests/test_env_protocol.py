@@ -1,5 +1,5 @@
 """The env protocol's spec cannot drift from the code: docs/schemas/*.json and the field tables of
-docs/env-protocol.md are what `jetrl schema` makes from shared/messages.py, the schemas accept the bytes
+docs/env-protocol.md are what `jetrl schema` makes from shared/messages/, the schemas accept the bytes
 the codec writes and refuse what the codec refuses, and the spec names every env subject."""
 
 from __future__ import annotations

@@ -221,8 +221,9 @@ async def test_a_flood_of_dead_letters_from_one_service_keeps_the_others_and_con
     letter in place. Every stream and bucket (the registry's too) refuses consumers past its bound."""
     from nats.js.api import AckPolicy, ConsumerConfig
 
-    from shared.bus import DEAD_LETTER_PAYLOAD_BYTES, connect, dead_letter, declare_topology
+    from shared.bus import connect, declare_topology
     from shared.config import JetRLConfig
+    from shared.delivery import DEAD_LETTER_PAYLOAD_BYTES, dead_letter
     from shared.subjects import Subjects
 
     cfg = JetRLConfig()

@@ -113,7 +113,7 @@ async def test_without_lanes_the_saturated_task_takes_every_slot(nc, config, sub
 
 
 def test_planner_lead_bounds_how_far_a_task_runs_ahead_of_its_share() -> None:
-    from services.controller.controller import Planner
+    from services.controller.planner import Planner
 
     ids = {"db": ["d"], SLOW: ["s"]}
     free = Planner({"db": 1.0, SLOW: 1.0}, ids, seed=0)  # lead 0: the stuck task's turns go to db, always

@@ -104,7 +104,7 @@ async def test_container_healthcheck_reads_this_hosts_heartbeats(nc, config, sub
 
 def test_a_long_build_reports_the_megabytes_it_has_written(tmp_path, monkeypatch, capfd) -> None:
     """The OS rootfs build (mmdebstrap, minutes) shows progress: the size of its target so far."""
-    from services.envs.os_task.sandbox import _run_with_progress
+    from services.envs.os_task.rootfs import _run_with_progress
 
     monkeypatch.setenv("JETRL_PROGRESS_EVERY_S", "0.5")
     monkeypatch.setenv("JETRL_PROGRESS", "lines")

@@ -18,7 +18,8 @@ import msgspec
 import pytest
 
 from services.controller.api import create_app
-from services.controller.controller import Controller, Planner
+from services.controller.controller import Controller
+from services.controller.planner import Planner
 from services.controller.sampler import LearnabilitySampler, Window
 from services.envs.host import EnvHost
 from services.rollout.worker import RolloutWorker

@@ -17,7 +17,7 @@ from nats.js.api import ObjectMeta, ObjectMetaOptions
 
 from services.rollout.engine import HFEngine
 from services.rollout.worker import RolloutWorker
-from shared.bus import connect, declare_topology, read_object
+from shared.bus import connect, declare_topology
 from shared.config import ConfigError, JetRLConfig, NatsConfig, load_config
 from shared.digest import digest
 from shared.messages import WeightsAnnouncement
@@ -32,6 +32,7 @@ from shared.model import (
     weights_to_bytes_of,
 )
 from shared.natsd import EmbeddedNats
+from shared.objectread import read_object
 from shared.subjects import Subjects
 
 
@@ -52,7 +53,7 @@ async def test_read_object_falls_back_to_nats_py_when_its_insides_are_missing(nc
     object (through ObjectStore.get), checks it against the digest, and says why once."""
     from structlog.testing import capture_logs
 
-    from shared import bus, objectread
+    from shared import objectread
 
     js = nc.jetstream()
     store = await js.object_store(subjects.weights_bucket)
@@ -60,7 +61,7 @@ async def test_read_object_falls_back_to_nats_py_when_its_insides_are_missing(nc
     await store.put("obj", data, meta=ObjectMeta(name="obj", options=ObjectMetaOptions(max_chunk_size=1024**2)))
     assert objectread.missing_internals(js) == []  # the nats-py this project installs has them all
     monkeypatch.setattr(objectread, "CLIENT_INTERNALS", (*objectread.CLIENT_INTERNALS, "_gone_in_a_new_release"))
-    monkeypatch.setattr(bus, "_slow_read_warned", False)
+    monkeypatch.setattr(objectread, "_slow_read_warned", False)
     with capture_logs() as logs:
         assert await read_object(js, subjects.weights_bucket, "obj", expected_digest=digest(data)) == data
         reused = bytearray(len(data))

@@ -11,7 +11,8 @@ import pytest
 from litestar.testing import AsyncTestClient
 
 from services.controller.api import create_app
-from services.controller.controller import Controller, Planner
+from services.controller.controller import Controller
+from services.controller.planner import Planner
 from services.envs.host import EnvHost
 from services.rollout.engine import HFEngine
 from services.rollout.worker import RolloutWorker

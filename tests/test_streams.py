@@ -9,8 +9,9 @@ import sys
 from pathlib import Path
 
 from jetrl.streams import subscribe
-from shared.bus import connect, declare_topology, publish_retrying
+from shared.bus import connect, declare_topology
 from shared.config import JetRLConfig
+from shared.delivery import publish_retrying
 from shared.messages import Trajectory, TurnInfo, encode
 from shared.natsd import EmbeddedNats
 from shared.subjects import Subjects

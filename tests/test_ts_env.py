@@ -225,7 +225,7 @@ async def test_ledger_env_speaks_the_protocol(auth_server: AuthServer, admin: Cl
             ("ledger-a", "ledger", 64, {"train": 9, "test": 6})
         assert health.sessions == 3 and health.sessions_started == 12 and health.interact_ms_p99 > 0
 
-        # the bytes a TypeScript writer sends fit the spec's JSON Schemas (docs/schemas/, from shared/messages.py)
+        # the bytes a TypeScript writer sends fit the spec's JSON Schemas (docs/schemas/, from shared/messages/)
         schemas = {kind: json.loads((SCHEMA_DIR / f"{kind}.json").read_text())
                    for kind in ("env_started", "env_step", "env_interact", "env_health", "heartbeat")}
         started = await rollout.request(subjects.env_start("ledger"), encode(EnvStart(session_id="raw", task_id=test[2],

@@ -36,22 +36,15 @@ from services.rollout.episode import EpisodePlayer, EpisodeRecord
 from services.rollout.openai_client import OpenAIChatClient
 from services.rollout.pool import serve_pool
 from services.rollout.turns import ORACLE_POLICY_VERSION, turn_source, weights_named
-from shared.bus import (
-    TRANSIENT,
-    Acker,
-    dead_letter,
-    decode_or_dead_letter,
-    judge_each,
-    publish_metrics,
-    publish_retrying,
-    read_object,
-)
+from shared.bus import publish_metrics
 from shared.config import RolloutConfig
 from shared.consumers import JOB_MAX_DELIVER, bind_durable, job_consumer, job_consumer_name, job_lanes
+from shared.delivery import TRANSIENT, Acker, dead_letter, decode_or_dead_letter, judge_each, publish_retrying
 from shared.envapi import EnvClient, EnvError
 from shared.lifecycle import supervise
 from shared.messages import BadMessage, EpisodeJob, Trajectory, WeightsAnnouncement, decode, encode
 from shared.model import load_state_file, merge_lora_delta, weights_from_buffer
+from shared.objectread import read_object
 from shared.signing import SignatureError, Verifier
 from shared.subjects import Subjects
 

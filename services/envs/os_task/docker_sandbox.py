@@ -16,17 +16,8 @@ from typing import Any
 
 import structlog
 
-from services.envs.os_task.sandbox import (
-    LOCAL_REPO,
-    OFFLINE_PACKAGES,
-    SANDBOXD,
-    SANDBOXD_HIDDEN,
-    VARIANT_PACKAGES,
-    Limits,
-    Sandbox,
-    SandboxError,
-    sandbox_nofile,
-)
+from services.envs.os_task.rootfs import LOCAL_REPO, OFFLINE_PACKAGES, VARIANT_PACKAGES
+from services.envs.os_task.sandbox import SANDBOXD, SANDBOXD_HIDDEN, Limits, Sandbox, SandboxError, sandbox_nofile
 
 log = structlog.get_logger()
 
