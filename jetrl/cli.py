@@ -134,7 +134,7 @@ def _main(argv: list[str]) -> int:
                                                  "env file for compose")
     secrets_cmd.add_argument("--env", default="compose/.env", help="env file to write (kept if it exists)")
     schema = sub.add_parser("schema", help="the message schemas (JSON Schema) and the env protocol's field "
-                                           "tables, from shared/messages.py; --check: fail if out of date")
+                                           "tables, from shared/messages/; --check: fail if out of date")
     add_schema_arguments(schema)
     add_export_arguments(sub.add_parser("export", help="a run's trajectories as a dataset file (Parquet or JSONL, "
                                                       "the Hugging Face chat format), filtered"))

@@ -10,7 +10,7 @@ cancelled on the way out. An entry point reads::
         svc.heartbeat({"steps": ...})
         ...                                                   # start the service, then wait for svc.stop
 
-The skeleton lives beside shared/lifecycle.py, not in it: shared/bus.py uses lifecycle's ``supervise``,
+The skeleton lives beside shared/lifecycle.py, not in it: shared/delivery.py uses lifecycle's ``supervise``,
 and this module uses the bus."""
 
 from __future__ import annotations

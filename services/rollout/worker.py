@@ -36,22 +36,15 @@ from services.rollout.episode import EpisodePlayer, EpisodeRecord
 from services.rollout.openai_client import OpenAIChatClient
 from services.rollout.pool import serve_pool
 from services.rollout.turns import ORACLE_POLICY_VERSION, turn_source, weights_named
-from shared.bus import (
-    TRANSIENT,
-    Acker,
-    dead_letter,
-    decode_or_dead_letter,
-    judge_each,
-    publish_metrics,
-    publish_retrying,
-    read_object,
-)
+from shared.bus import publish_metrics
 from shared.config import RolloutConfig
 from shared.consumers import JOB_MAX_DELIVER, bind_durable, job_consumer, job_consumer_name, job_lanes
+from shared.delivery import TRANSIENT, Acker, dead_letter, decode_or_dead_letter, judge_each, publish_retrying
 from shared.envapi import EnvClient, EnvError
 from shared.lifecycle import supervise
 from shared.messages import BadMessage, EpisodeJob, Trajectory, WeightsAnnouncement, decode, encode
 from shared.model import load_state_file, merge_lora_delta, weights_from_buffer
+from shared.objectread import read_object
 from shared.signing import SignatureError, Verifier
 from shared.subjects import Subjects
 
@@ -371,9 +364,9 @@ class RolloutWorker:
             await self.engine.update_weights(state, note.version, adapter)
             del adapter
             self.weights_digests[note.version] = note.digest  # what its turns of this version name
-            held = set(getattr(self.engine, "held_versions", ()))
+            playable = set(getattr(self.engine, "held_versions", ()))
             for old in sorted(self.weights_digests)[:-64]:  # a turn played with a version this old is long trained on
-                if old not in held:  # unless the engine still plays it
+                if old not in playable:  # unless the engine still plays it
                     del self.weights_digests[old]
             async with self._weights_loaded:
                 self._weights_loaded.notify_all()
