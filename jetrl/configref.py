@@ -1,7 +1,7 @@
 """``jetrl config --markdown``: the config reference page (docs/reference/config.md), generated from the config
 classes of shared/config/ and the settings classes of the built-in tasks, so the page cannot drift from the
 code. ``jetrl config --markdown --check`` writes nothing and fails when the checked-in page differs
-(tests/test_docs.py runs that check in ``make test``).
+(tests/system/test_docs.py runs that check in ``make test``).
 
 Only the tasks this repository ships are listed (their entry points point into ``services.``): a plugin
 installed beside JetRL documents its own keys (``jetrl config --task TASK``).

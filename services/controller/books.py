@@ -60,6 +60,9 @@ class TaskBook:
 
 
 class RunBooks:
+    """The state the controller keeps of the run and the handlers that keep it: what is in flight, what
+    finished, what the trainer said, who is alive. ``Controller`` adds the plan on top."""
+
     def __init__(self, nc: Client, js: JetStreamContext, subjects: Subjects, cfg: JetRLConfig) -> None:
         self.nc, self.js, self.subjects, self.cfg = nc, js, subjects, cfg
         self.books: dict[str, TaskBook] = defaultdict(TaskBook)
