@@ -119,7 +119,7 @@ class DeepSpeedBackend:
         self.optimizer = _ShardedOptimizer(cfg.deepspeed.zero_stage)
         self._pending: torch.Tensor | None = None
         log.info("deepspeed_ready", rank=self.rank, world=self.world, zero_stage=cfg.deepspeed.zero_stage,
-                 dtype=cfg.ds_dtype, device=str(self.device))
+                 dtype=cfg.deepspeed.dtype, device=str(self.device))
 
     # ------------------------------------------------------------------ what the update calls
     def zero_grad(self) -> None:
