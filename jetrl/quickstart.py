@@ -10,7 +10,7 @@
    task's success on the episodes it trained on (2 groups a step: noisy, the probes are the measure).
 4. **Probe of the result**, the same tasks and samples, and a summary per task: success before -> after,
    with 95 % bootstrap intervals over the tasks, and the well-formed tool-call rate. Everything is also
-   written to ``<run>/quickstart.json`` (``tests/test_learning.py`` asserts on it).
+   written to ``<run>/quickstart.json`` (``tests/system/test_learning.py`` asserts on it).
 
 The cache key is everything that shapes the warm start (model, tasks, env settings, tool format,
 warm-start settings, seed), so changing any of them builds a new one; ``--fresh`` rebuilds it anyway.

@@ -4,7 +4,7 @@ of docs/env-protocol.md, generated from the code so the spec cannot drift from i
 ``jetrl schema`` writes ``docs/schemas/<kind>.json`` (one self-contained schema per message) and the part of
 docs/env-protocol.md between the ``<!-- fields:begin -->`` and ``<!-- fields:end -->`` markers;
 ``jetrl schema --check`` writes nothing and fails, naming the files, when either differs from what the code
-makes (tests/test_env_protocol.py runs that check in ``make test``).
+makes (tests/shared/test_env_protocol.py runs that check in ``make test``).
 
 The schemas describe the msgpack maps on the wire: a ``bytes`` field is msgpack ``bin`` (JSON Schema has no
 such type, so it reads as a base64 string, as msgspec writes it). Field descriptions are the attribute

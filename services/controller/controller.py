@@ -62,6 +62,8 @@ class SyncBatch:
 
 
 class Controller(RunBooks):
+    """Publishes the plan's jobs within the bounds its books allow, and reports the run's status."""
+
     def __init__(self, nc: Client, js: JetStreamContext, subjects: Subjects, cfg: JetRLConfig, replica_id: str) -> None:
         super().__init__(nc, js, subjects, cfg)
         self.replica_id = replica_id

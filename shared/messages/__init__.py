@@ -14,7 +14,7 @@ Versions: readers accept any message whose ``v`` is ``<=`` their ``VERSION`` and
 they do not know (a newer writer may add optional ones); a newer ``v`` is refused rather than
 misread. A message without ``v`` is read as the reader's version (the old codec refused it; every
 writer sends ``v``). To change a message incompatibly, raise its ``VERSION`` and give ``v`` the same
-default (``tests/test_contract.py`` checks that they agree).
+default (``tests/shared/test_contract.py`` checks that they agree).
 
 The messages by area: ``episodes`` (jobs, events, trajectories, the generation pool), ``env`` (the unified env
 API), ``control`` (weights, registry, metrics, dead letters, run control); ``base`` holds what they share and

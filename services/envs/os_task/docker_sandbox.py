@@ -1,6 +1,6 @@
 """The OS sandbox's docker backend (``env.os.backend = docker``): a container of an AgentBench-like image per
 episode, sandboxd its pid 1, spoken to over the container's attached stdin/stdout. It behaves as the bwrap
-backend does (``tests/sandbox_checks.py`` runs the same checks on both): Docker's default capabilities less
+backend does (``tests/envs/sandbox_checks.py`` runs the same checks on both): Docker's default capabilities less
 MKNOD, no_new_privs, Docker's seccomp profile and masked /proc paths plus sandboxd's own folders of /proc/1,
 Docker's open-file limit set explicitly, and apt served offline from a local repository in the image."""
 
