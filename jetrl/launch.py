@@ -43,9 +43,9 @@ def eval_overrides(args: argparse.Namespace) -> list[str]:
     if getattr(args, "engine", None):
         out.append(f"rollout.engine={args.engine}")
     if getattr(args, "base_url", None):
-        out.append(f"rollout.openai_base_url={args.base_url}")
+        out.append(f"rollout.openai.base_url={args.base_url}")
     if getattr(args, "model", None):
-        out.append(f"rollout.openai_model={args.model}")
+        out.append(f"rollout.openai.model={args.model}")
     if getattr(args, "suite", None):
         out.append('controller.tasks={"' + args.suite + '": 1.0}')
     return out
@@ -56,7 +56,7 @@ async def declare_as_admin(cfg: JetRLConfig) -> None:
     nc = await connect(cfg.nats, "jetrl-up-admin", role="admin")
     try:
         js, subjects = nc.jetstream(), Subjects(cfg.nats.prefix)
-        await declare_topology(js, subjects, cfg.nats, cfg.controller.heartbeat_ttl_s, role="admin")
+        await declare_topology(js, subjects, cfg.nats, role="admin")
         await declare_durables(js, subjects, cfg)
     finally:
         await nc.close()

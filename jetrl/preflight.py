@@ -15,6 +15,7 @@ from pathlib import Path
 
 from jetrl.errors import CliError
 from shared.config import ConfigError, JetRLConfig
+from shared.config.rollout import ENGINES_WITHOUT_MODEL
 from shared.tasks import UnknownTask, known_tasks
 
 NATS_FILE_KEYS = ("creds_file", "password_file", "tls_ca", "tls_cert", "tls_key")
@@ -40,7 +41,7 @@ def check_config(cfg: JetRLConfig, serving: bool = False) -> list[str]:
     tasks = [t for t, share in cfg.controller.tasks.items() if share > 0]
     if not serving:
         problems += check_tasks(cfg, tasks)
-    if cfg.rollout.engine not in ("oracle", "openai") or not serving:
+    if cfg.rollout.engine not in ENGINES_WITHOUT_MODEL or not serving:
         problems += check_model(cfg.model.name)
     for key in NATS_FILE_KEYS:
         problems += _missing(f"nats.{key}", getattr(cfg.nats, key))

@@ -144,8 +144,7 @@ async def _ensure_stream(js: JetStreamContext, config: StreamConfig) -> None:
 
 
 async def declare_topology(js: JetStreamContext, subjects: Subjects, cfg: NatsConfig,
-                           heartbeat_ttl_s: float = 10.0, role: str | None = None,
-                           wait_s: float = 120.0) -> None:
+                           role: str | None = None, wait_s: float = 120.0) -> None:
     """Create (or update) every stream and bucket. Idempotent: every role calls it at start-up. A role
     user of an authenticated server may not create streams (``shared.auth``): it waits for the admin
     (``jetrl up``, compose's ``topology`` service) to have declared them."""
@@ -181,7 +180,7 @@ async def declare_topology(js: JetStreamContext, subjects: Subjects, cfg: NatsCo
     for kv_config in (
         KeyValueConfig(bucket=subjects.policy_kv, history=16, replicas=replicas,
                        description="latest published policy version"),
-        KeyValueConfig(bucket=subjects.registry_kv, history=1, ttl=heartbeat_ttl_s, replicas=replicas,
+        KeyValueConfig(bucket=subjects.registry_kv, history=1, ttl=cfg.heartbeat_ttl_s, replicas=replicas,
                        description="live replicas; a key expires when its heartbeats stop"),
     ):
         try:

@@ -70,8 +70,7 @@ class Service:
         self.stack.push_async_callback(close_connection, self.nc)
         self.background("connection_watch", stop_if_connection_closed(self.nc, self.stop), restart_s=None)
         self.js = self.nc.jetstream()
-        await declare_topology(self.js, self.subjects, self.cfg.nats, self.cfg.controller.heartbeat_ttl_s,
-                               role=self.role)
+        await declare_topology(self.js, self.subjects, self.cfg.nats, role=self.role)
 
     def background(self, name: str, job: Coroutine[Any, Any, Any] | Callable[[], Awaitable[Any]], *,
                    restart_s: float | None = 1.0) -> asyncio.Task[Any]:

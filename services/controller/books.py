@@ -79,7 +79,7 @@ class RunBooks:
         self.latest_metrics: dict[str, MetricsReport] = {}
         self._capacity = asyncio.Event()  # set on news: a trajectory, weights, a trainer report
         self.replicas: list[dict[str, Any]] = []
-        self.registry = Replicas(subjects, cfg.controller.heartbeat_ttl_s)
+        self.registry = Replicas(subjects, cfg.nats.heartbeat_ttl_s)
         self.refused_reports = 0  # metrics whose body names another role than their subject
         self.trainer_verifier = verifier_for(cfg.nats, "trainer")
         self.refused_signatures = 0
@@ -243,7 +243,7 @@ class RunBooks:
 
     def env_building(self, task: str) -> str:
         """``building, questions 43 %`` while a live replica of ``task``'s env builds its data, else ''."""
-        ttl = self.cfg.controller.heartbeat_ttl_s
+        ttl = self.cfg.nats.heartbeat_ttl_s
         for r in self.replicas:
             if r["role"] == f"env-{task}" and r["age_s"] < ttl and is_building(r["info"]):
                 return describe_build(r["info"])

@@ -54,7 +54,7 @@ from shared.model import load_model, load_weights_into
 log = structlog.get_logger()
 
 MATMUL_DTYPES: dict[str, torch.dtype | None] = {"float32": None, "bfloat16": torch.bfloat16}
-"""``rollout.matmul_dtype``: fp32 throughout (exact against the fp32 trainer), or bf16 matmuls."""
+"""``rollout.continuous.matmul_dtype``: fp32 throughout (exact against the fp32 trainer), or bf16 matmuls."""
 
 MIN_SHARED_PREFIX = 16
 """Shorter common prefixes are recomputed rather than shared (not worth a cache lookup)."""

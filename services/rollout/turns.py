@@ -157,7 +157,7 @@ class OpenAITurns:
         except (ValueError, TypeError, KeyError):  # arguments that are not JSON: keep them as the server sent them
             text = f"{message.get('content') or ''}\n<tool_call>{json.dumps(message.get('tool_calls'))}</tool_call>"
         ids = self.tokenizer.encode(text, add_special_tokens=False) + [self.end_of_turn]
-        return AssistantTurn(Generation(ids, [0.0] * len(ids), "stop", f"openai:{self.cfg.openai_model}",
+        return AssistantTurn(Generation(ids, [0.0] * len(ids), "stop", f"openai:{self.cfg.openai.model}",
                                         ORACLE_POLICY_VERSION), message)
 
 

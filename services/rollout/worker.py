@@ -38,6 +38,7 @@ from services.rollout.pool import serve_pool
 from services.rollout.turns import ORACLE_POLICY_VERSION, turn_source, weights_named
 from shared.bus import publish_metrics
 from shared.config import RolloutConfig
+from shared.config.rollout import ENGINES_WITHOUT_MODEL
 from shared.consumers import JOB_MAX_DELIVER, bind_durable, job_consumer, job_consumer_name, job_lanes
 from shared.delivery import TRANSIENT, Acker, dead_letter, decode_or_dead_letter, judge_each, publish_retrying
 from shared.envapi import EnvClient, EnvError
@@ -73,10 +74,10 @@ class RolloutWorker:
         self.base_weights: dict[str, Any] | None = None
         self._weights_buffer: bytearray | None = None  # the last version's bytes (cfg.keep_weights_buffer)
         self.engine, self.tokenizer, self.replica_id = engine, tokenizer, replica_id
-        if engine is None and cfg.engine not in ("oracle", "openai"):
+        if engine is None and cfg.engine not in ENGINES_WITHOUT_MODEL:
             raise ValueError(f"rollout.engine={cfg.engine!r} needs a model engine")
         # engine = openai: turns come from an OpenAI-compatible server, in the API's message form
-        self.chat_api = OpenAIChatClient(cfg) if cfg.engine == "openai" else None
+        self.chat_api = OpenAIChatClient(cfg.openai) if cfg.engine == "openai" else None
         # turns by where they came from; "held": an older version (or the base model) of this engine's own
         self.turn_sources: dict[str, int] = {"local": 0, "pool": 0, "held": 0, "oracle": 0, "openai": 0}
         self.weights_digests: dict[int, str] = {}  # version -> digest of the weights loaded for it (its turns name it)

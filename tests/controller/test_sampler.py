@@ -103,10 +103,10 @@ def test_planner_draws_groups_in_the_samplers_shares() -> None:
 
 def test_task_sampler_settings_are_checked(config: JetRLConfig) -> None:
     config.controller.task_sampler = "hardest"
-    with pytest.raises(ConfigError, match="task_sampler must be mix or learnability"):
+    with pytest.raises(ConfigError, match=r'controller\.task_sampler: expected one of "mix" \| "learnability"'):
         validate(config)
     config.controller.task_sampler, config.controller.sampler_floor = "learnability", 0.3
-    with pytest.raises(ConfigError, match="sampler_floor in"):
+    with pytest.raises(ConfigError, match=r"controller\.sampler_floor must be in \[0, 0\.25\]"):
         validate(config)
 
 

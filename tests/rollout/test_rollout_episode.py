@@ -143,7 +143,7 @@ async def play_every_source(nc: Any, subjects: Any, config: Any, tiny: Any) -> d
 
     url, server, serving = await serve_chat_api(engine, tokenizer, config)
     try:
-        config.rollout.engine, config.rollout.openai_base_url, config.rollout.openai_model = ("openai", url,
+        config.rollout.engine, config.rollout.openai.base_url, config.rollout.openai.model = ("openai", url,
                                                                                          config.serve.model_name)
         api = RolloutWorker(nc, js, subjects, config.rollout, None, tokenizer, "rollout-api")
         trajectories["api-0"] = await api.play(job("api-0", "train-5", max_new_tokens=24), attempt=1)

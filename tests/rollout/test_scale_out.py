@@ -249,11 +249,11 @@ async def test_corrupt_broadcast_is_refused(nc, subjects, config, tiny) -> None:
 
 
 def test_backends_are_chosen_by_config() -> None:
-    cfg = load_config(overrides=["rollout.engine=vllm", "trainer.backend=deepspeed", "trainer.zero_stage=3",
+    cfg = load_config(overrides=["rollout.engine=vllm", "trainer.backend=deepspeed", "trainer.deepspeed.zero_stage=3",
                                  "rollout.device=cuda", "trainer.broadcast_dtype=bfloat16"], environ={})
-    assert (cfg.rollout.engine, cfg.trainer.backend, cfg.trainer.zero_stage) == ("vllm", "deepspeed", 3)
+    assert (cfg.rollout.engine, cfg.trainer.backend, cfg.trainer.deepspeed.zero_stage) == ("vllm", "deepspeed", 3)
     defaults = load_config(environ={})
     assert (defaults.rollout.engine, defaults.trainer.backend, defaults.rollout.device) == ("continuous", "torch", "cpu")
     with pytest.raises(ConfigError):
-        load_config(overrides=["trainer.zero_stage=two"], environ={})
+        load_config(overrides=["trainer.deepspeed.zero_stage=two"], environ={})
 

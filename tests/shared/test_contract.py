@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import re
 import subprocess
 import sys
 import typing
@@ -323,12 +324,69 @@ def test_config_task_sections_in_every_form(tmp_path) -> None:
 
 def test_config_round_trips_through_save_config(tmp_path) -> None:
     overrides = ["env.db.levels=2,3", 'env.os.agentbench_train=["a.json"]', "env.webshop.num_products=99",
-                 "env.max_sessions=3", 'trainer.max_staleness={"db": 2}', "controller.tasks=db=0.5,os=0.5"]
+                 "env.max_sessions=3", 'trainer.max_staleness={"db": 2}', "controller.tasks=db=0.5,os=0.5",
+                 "rollout.vllm.dtype=bfloat16", "trainer.deepspeed.zero_stage=3"]
     cfg = load_config(None, overrides, environ={})
     path = tmp_path / "saved.toml"
     save_config(cfg, path)
     assert "[env.db]\n" in path.read_text() and "db_levels" not in path.read_text()
+    assert '[rollout.vllm]\ndtype = "bfloat16"\n' in path.read_text()
+    assert "[trainer.deepspeed]\nzero_stage = 3\n" in path.read_text()
     assert load_config(path, environ={}) == cfg
+
+
+def test_engine_and_backend_keys_are_sub_sections_in_every_form(tmp_path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text('[rollout]\nengine = "openai"\n[rollout.openai]\nbase_url = "http://h/v1"\nmodel = "m"\n'
+                    '[rollout.continuous]\nmatmul_dtype = "bfloat16"\n[trainer.deepspeed]\nzero_stage = 1\n')
+    cfg = load_config(path, ["--rollout.vllm.enforce-eager=true"],
+                      environ={"JETRL__TRAINER__DEEPSPEED__DTYPE": "bfloat16", "JETRL__NATS__HEARTBEAT_TTL_S": "4"})
+    assert (cfg.rollout.openai.base_url, cfg.rollout.openai.model) == ("http://h/v1", "m")
+    assert cfg.rollout.continuous.matmul_dtype == "bfloat16" and cfg.rollout.vllm.enforce_eager is True
+    assert (cfg.trainer.deepspeed.zero_stage, cfg.trainer.deepspeed.dtype) == (1, "bfloat16")
+    assert cfg.nats.heartbeat_ttl_s == 4.0
+    with pytest.raises(ConfigError, match=r"config rollout\.vllm is a section: set its keys"):
+        load_config(None, ["rollout.vllm=1"], environ={})
+    with pytest.raises(ConfigError, match=r"rollout\.engine=openai needs rollout\.openai\.base_url"):
+        load_config(None, ["rollout.engine=openai"], environ={})
+
+
+@pytest.mark.parametrize(("key", "suggestion"), [
+    ("rollout.vllm_dtype", "rollout.vllm.dtype"), ("rollout.openai_base_url", "rollout.openai.base_url"),
+    ("rollout.matmul_dtype", "rollout.continuous.matmul_dtype"), ("rollout.kv_cache_tokens",
+                                                                   "rollout.continuous.kv_cache_tokens"),
+    ("trainer.zero_stage", "trainer.deepspeed.zero_stage"), ("trainer.ds_dtype", "trainer.deepspeed.dtype"),
+    ("controller.heartbeat_ttl_s", "nats.heartbeat_ttl_s"), ("rollout.vllm.dtyp", "rollout.vllm.dtype")])
+def test_a_key_not_where_it_is_written_is_unknown_naming_where_it_is(key: str, suggestion: str) -> None:
+    with pytest.raises(ConfigError, match=rf"unknown config key {re.escape(key)} \(did you mean "
+                                          rf"{re.escape(suggestion)}\?\)"):
+        load_config(None, [f"{key}=1"], environ={})
+
+
+def test_choices_and_ranges_are_checked_from_their_declarations() -> None:
+    from shared.config import JetRLConfig, describe, validate
+
+    with pytest.raises(ConfigError, match=r'config key rollout\.engine: expected one of "continuous" \| "hf" \| '
+                                          r'"vllm" \| "oracle" \| "openai", got .tpu.'):
+        load_config(None, ["rollout.engine=tpu"], environ={})
+    with pytest.raises(ConfigError, match=r"config key trainer\.deepspeed\.zero_stage: expected one of 1 \| 2 \| 3"):
+        load_config(None, environ={"JETRL__TRAINER__DEEPSPEED__ZERO_STAGE": "4"})
+    with pytest.raises(ConfigError, match=r'controller\.eval_passes\[\]: expected one of "greedy" \| "sampled"'):
+        load_config(None, ["controller.eval_passes=greedy,best"], environ={})
+    with pytest.raises(ConfigError, match=r"config key rollout\.cross_policy_prob must be in \[0, 1\], got 1\.5"):
+        load_config(None, ["rollout.cross_policy_prob=1.5"], environ={})
+    with pytest.raises(ConfigError, match=r"config key controller\.tasks\.os must be >= 0, got -1\.0"):
+        load_config(None, ["controller.tasks=db=1,os=-1"], environ={})
+    # a value set in code is checked too, when the config is validated
+    cfg = JetRLConfig()
+    cfg.rollout.vllm.gpu_memory_utilization = 0.0
+    with pytest.raises(ConfigError, match=r"rollout\.vllm\.gpu_memory_utilization must be in \(0, 1\], got 0\.0"):
+        validate(cfg)
+    # and the help says what the declarations say
+    text = describe()
+    assert "  engine (\"continuous\" | \"hf\" | \"vllm\" | \"oracle\" | \"openai\") = 'continuous'" in text
+    assert "[rollout.vllm]\n" in text and "[trainer.deepspeed]\n" in text
+    assert "sampler_floor (float) = 0.02  # " in text and "must be in [0, 0.25]\n" in text
 
 
 def test_task_overrides_are_declared_not_accidental(monkeypatch) -> None:

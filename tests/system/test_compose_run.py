@@ -208,7 +208,7 @@ def test_compose_trains_scales_and_survives_a_kill(stack: Stack) -> None:
     s.figures["new_replica_first_episode_s"] = round(time.monotonic() - t_scale, 1)
 
     # kill one of the first two rollout containers (SIGKILL, mid-episode): the run goes on. Its heartbeat
-    # expires (controller.heartbeat_ttl_s, 10 s) and its unacked jobs are redelivered to the others; Docker
+    # expires (nats.heartbeat_ttl_s, 10 s) and its unacked jobs are redelivered to the others; Docker
     # may restart it (restart: unless-stopped), which is the run going on too.
     before = s.status()
     victim = sorted(old)[0]

@@ -103,7 +103,8 @@ def run_curve(backend: str, zero_stage: int, out: Path, stop_after: int = len(PL
     torch.set_num_threads(1)
     cfg = JetRLConfig()
     cfg.model = ModelConfig()
-    cfg.trainer = trainer_config(backend=backend, zero_stage=zero_stage, checkpoint_every=checkpoint_every, mode=mode)
+    cfg.trainer = trainer_config(backend=backend, checkpoint_every=checkpoint_every, mode=mode)
+    cfg.trainer.deepspeed.zero_stage = zero_stage
     model = load_model(resolve_model(cfg.model))
     batches = fixed_batches(model)
     run_dir = out.parent
