@@ -134,14 +134,15 @@ async def test_an_always_flat_task_is_drawn_less_and_the_weights_are_in_status(n
                                                                               sums_hosts) -> None:
     quiet_transformers()
     c = config.controller
-    c.tasks, c.group_size, c.max_inflight, c.max_backlog, c.env_wait_s = {"flat": 1.0, "mixed": 1.0}, 2, 4, 0, 20.0
+    config.run.tasks = {"flat": 1.0, "mixed": 1.0}
+    c.group_size, c.max_inflight, c.max_backlog, c.env_wait_s = 2, 4, 0, 20.0
     c.task_sampler, c.sampler_window = "learnability", 32
     config.rollout.engine, config.rollout.concurrency = "oracle", 4
     validate(config)
     js = nc.jetstream()
     controller = Controller(nc, js, subjects, config, "controller-sampler")
     worker = RolloutWorker(nc, js, subjects, config.rollout, None, load_tokenizer(resolve_model(ModelConfig())),
-                           "rollout-sampler", tasks=list(c.tasks))
+                           "rollout-sampler", tasks=list(config.run.tasks))
     stop = asyncio.Event()
     jobs = [asyncio.create_task(controller.track_trajectories()), asyncio.create_task(controller.publish_jobs(stop)),
             asyncio.create_task(worker.run(stop))]

@@ -376,7 +376,7 @@ def test_choices_and_ranges_are_checked_from_their_declarations() -> None:
         load_config(None, ["controller.eval_passes=greedy,best"], environ={})
     with pytest.raises(ConfigError, match=r"config key rollout\.cross_policy_prob must be in \[0, 1\], got 1\.5"):
         load_config(None, ["rollout.cross_policy_prob=1.5"], environ={})
-    with pytest.raises(ConfigError, match=r"config key controller\.tasks\.os must be >= 0, got -1\.0"):
+    with pytest.raises(ConfigError, match=r"config key run\.tasks\.os must be >= 0, got -1\.0"):
         load_config(None, ["run.tasks=db=1,os=-1"], environ={})
     # a value set in code is checked too, when the config is validated
     cfg = JetRLConfig()
