@@ -72,7 +72,7 @@ docs: venv
 
 # RL makes SmolLM2 better through every service (~10 min on 2 cores): tests/system/test_learning.py
 test-learning: venv system-deps
-	$(BIN)/python -m pytest -q -ra -m learning tests/system/test_learning.py
+	$(BIN)/python -m pytest -q -ra -rP -m learning tests/system/test_learning.py
 
 # Fault suite (~3-4 min on 2 cores): kill -9 of every service and of nats-server under `jetrl up`,
 # >= 10,000 malformed messages, a poison trajectory: tests/system/test_faults.py, figures in docs/benchmarks/faults.md;

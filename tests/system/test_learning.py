@@ -55,8 +55,20 @@ def test_quickstart_rl_raises_success_through_the_services(tmp_path: Path) -> No
     before, after = result["warm_start"]["db"], result["rl"]["db"]
     steps = [json.loads(line) for line in (rl / "metrics.jsonl").read_text().splitlines()]
     summary = (f"sampled success {before['success']:.3f} -> {after['success']:.3f}, well-formed "
-               f"{before['well_formed_rate']:.3f} -> {after['well_formed_rate']:.3f}, {len(steps)} RL steps")
+               f"{before['well_formed_rate']:.3f} -> {after['well_formed_rate']:.3f}, {len(steps)} RL steps; "
+               + pipeline_health(rl, steps))
     print(summary)
     assert before["tasks"] == after["tasks"] == 16 and before["episodes"] == after["episodes"] == 16 * 6
     assert len(steps) == 14 and any(not s.get("train/skipped_update") for s in steps)
     assert after["success"] - before["success"] >= MARGIN, summary
+
+
+def pipeline_health(run_dir: Path, steps: list[dict]) -> str:
+    """What a failed run needs to be read: did the rollout follow the weights (versions it loaded, failed
+    loads), how stale the trained turns were, what the trainer left out."""
+    logs = "".join(p.read_text(errors="replace") for p in (run_dir / "logs").glob("rollout-*.log"))
+    staleness = [s.get("train/staleness_max", 0.0) for s in steps]
+    return (f"rollout loaded {logs.count('weights_loaded')} versions ({logs.count('weights_update_failed')} failed "
+            f"loads); staleness max per step {[int(x) for x in staleness]}; stale dropped "
+            f"{sum(s.get('train/stale_dropped', 0.0) for s in steps):.0f}; approx_kl per step "
+            f"{[round(s.get('train/approx_kl', 0.0), 4) for s in steps]}")

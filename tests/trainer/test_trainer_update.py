@@ -4,8 +4,9 @@ step figures) recorded in ``tests/trainer/data/trainer_update_pin.json`` for the
 two minibatches, several micro-batches, staleness downweighting, warm-up), the LoRA path and SFT.
 
 On the machine and library versions that recorded the fixture the weights must match bit for bit (a
-digest of every trained tensor); elsewhere a different kernel may add in another order, so per tensor
-the sum, the norm and a fixed random projection must agree to float precision.
+digest of every trained tensor; ``fingerprint`` names the CPU, its features and the libraries); elsewhere
+a different kernel may add in another order, so per tensor the sum, the norm and a fixed random projection
+must agree within what float order explains (the fixture was recorded on an Intel Xeon with AMX).
 
 ``JETRL_PIN_WRITE=1 pytest tests/trainer/test_trainer_update.py`` records the fixture again: only for a change
 meant to change the update.
@@ -78,9 +79,20 @@ def fixed_batch() -> list[Trajectory]:
 
 
 def fingerprint() -> str:
-    """What decides the float order of the update: kernels (CPU features, library versions)."""
+    """What decides the float order of the update: kernels (the CPU and its features, library versions).
+    torch's capability alone is not enough: an AVX-512 AMD EPYC and an AVX-512 Intel Xeon with AMX report
+    the same one and differ in the sixth digit after three steps."""
     return (f"{platform.machine()} {torch.backends.cpu.get_cpu_capability()} torch {torch.__version__} "
-            f"transformers {transformers.__version__} threads {torch.get_num_threads()}")
+            f"transformers {transformers.__version__} threads {torch.get_num_threads()} cpu {cpu_model()}")
+
+
+def cpu_model() -> str:
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or "unknown"
+    model = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "")
+    return model + (" amx" if " amx_tile" in info else "")
 
 
 def summary(trained: dict[str, torch.Tensor]) -> dict[str, Any]:
@@ -138,13 +150,17 @@ async def test_three_steps_leave_the_pinned_weights(case: str, nc, config, subje
     want = json.loads(PIN.read_text())[case]
     assert got["policy_version"] == want["policy_version"]
     assert [sorted(r) for r in got["stats"]] == [sorted(r) for r in want["stats"]]
+    same_kernels = want["fingerprint"] == fingerprint()
+    rel = 1e-5 if same_kernels else 1e-4  # other kernels add in another order; three Adam steps amplify it
     for got_row, want_row in zip(got["stats"], want["stats"], strict=True):
         for key, value in want_row.items():
-            assert got_row[key] == pytest.approx(value, rel=1e-5, abs=1e-9), key
+            assert got_row[key] == pytest.approx(value, rel=rel, abs=1e-9), key
     assert sorted(got["tensors"]) == sorted(want["tensors"])
-    same_kernels = want["fingerprint"] == fingerprint()
     if same_kernels:
         assert got["digest"] == want["digest"], "the update changed: the weights after three steps differ"
-    rel = 1e-5 if same_kernels else 1e-4  # other kernels add in another order; three Adam steps amplify it
     for name, figures in want["tensors"].items():
-        assert got["tensors"][name] == pytest.approx(figures, rel=rel, abs=1e-7), name
+        # Other kernels: Adam divides by the root of the squared gradients, so an element whose gradient is
+        # near zero moves by about +-lr whichever way float order tips it. Measured across CPUs: up to 8e-5 of
+        # the tensor's norm; a change of the update itself moves every element by ~lr, ~5e-2 of the norm.
+        spread = 1e-7 if same_kernels else 5e-4 * figures[1]
+        assert got["tensors"][name] == pytest.approx(figures, rel=rel, abs=spread), name
