@@ -41,8 +41,8 @@ def test_jetrl_up_refuses_a_bad_config_in_one_line_before_starting_anything(tmp_
     assert errors_of(capsys, [*up, f"--model.name={empty}"]) == [
         f"jetrl: error: model.name='{empty}': no weights in {empty} (*.safetensors or pytorch_model*.bin)",
         f"jetrl: error: model.name='{empty}': no tokenizer in {empty} (tokenizer.json or tokenizer_config.json)"]
-    assert errors_of(capsys, [*up, "--controller.task=db"]) == [
-        "jetrl: error: unknown config key controller.task (did you mean run.tasks?)"]
+    assert errors_of(capsys, [*up, "--run.task=db"]) == [
+        "jetrl: error: unknown config key run.task (did you mean run.tasks?)"]
     assert errors_of(capsys, [*up, "--trainr.steps=3"])[0].startswith(
         "jetrl: error: unknown config section 'trainr' (did you mean trainer?)")
     assert errors_of(capsys, [*up, '--run.tasks={"kg": 1}', "--env.kg.ntriples=/no/such.nt"]) == [
