@@ -96,7 +96,7 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
 
 
 def tasks_arg(tasks: list[str]) -> str:
-    return "--controller.tasks=" + json.dumps({t: 1.0 for t in tasks}, separators=(",", ":"))
+    return "--run.tasks=" + json.dumps({t: 1.0 for t in tasks}, separators=(",", ":"))
 
 
 # ---------------------------------------------------------------------------------------------- stages
@@ -142,7 +142,7 @@ class Bench:
                 weights = json.loads(self.args.sft_task_weights)
                 if set(weights) != set(tasks):
                     raise SystemExit(f"--sft-task-weights names {sorted(weights)}, the tasks are {sorted(tasks)}")
-                cmd.append(f"--controller.tasks={json.dumps(weights)}")
+                cmd.append(f"--run.tasks={json.dumps(weights)}")
             self.results["runs"][name] = run_cmd(cmd, self.out / f"{name}.log", self.limit_s) | {"tasks": tasks}
             self.save()
         model = self.out / name / "model"

@@ -91,7 +91,7 @@ def _main(argv: list[str]) -> int:
             p.add_argument("--engine", default=None, help="rollout.engine: continuous | hf | vllm | openai")
             p.add_argument("--base-url", default=None, help="openai engine: the server, e.g. http://host:8001/v1")
             p.add_argument("--model", default=None, help="openai engine: the model name the server knows")
-            p.add_argument("--suite", default=None, help="one task alone instead of controller.tasks (an "
+            p.add_argument("--suite", default=None, help="one task alone instead of run.tasks (an "
                                                           "eval-only benchmark task)")
     serve = sub.add_parser("serve", help="the policy over the OpenAI chat-completions API, following weight "
                                          "broadcasts (--config of a running training run)")

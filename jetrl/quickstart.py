@@ -38,8 +38,8 @@ DEFAULT_PROBE_TASKS = 16  # when RL draws from every training task, the probe ta
 def warm_start_dir(cfg: JetRLConfig) -> Path:
     shaping: dict[str, Any] = {section: dataclasses.asdict(getattr(cfg, section)) for section in WARM_START_KEYS}
     # the mix's task settings as their tasks read them (typed, defaults filled in), however they were given
-    shaping["env"]["sections"] = {task: _plain(cfg.env.section(task)) for task in sorted(cfg.controller.tasks)}
-    shaping.update(tasks=cfg.controller.tasks, tool_format=cfg.rollout.tool_format, seed=cfg.run.seed,
+    shaping["env"]["sections"] = {task: _plain(cfg.env.section(task)) for task in sorted(cfg.run.tasks)}
+    shaping.update(tasks=cfg.run.tasks, tool_format=cfg.rollout.tool_format, seed=cfg.run.seed,
                    max_new_tokens=cfg.rollout.max_new_tokens, max_context=cfg.rollout.max_context_tokens)
     for key in ("cache_dir", "probe_samples"):  # where it is kept, and how it is probed, do not change it
         shaping["warmstart"].pop(key)

@@ -85,9 +85,9 @@ class RunBooks:
         self.refused_signatures = 0
         self.creates_durables = True  # an open server; with per-role users the admin makes them (shared/consumers.py)
         self.board = RunBoard(subjects)  # what the dashboard and the trajectory viewer show
-        c = cfg.controller
-        self.sampler = (LearnabilitySampler(c.tasks, c.sampler_window, c.sampler_floor, c.sampler_mix)
-                        if c.task_sampler == "learnability" and c.mode == "train" and any(w > 0 for w in c.tasks.values())
+        c, tasks = cfg.controller, cfg.run.tasks
+        self.sampler = (LearnabilitySampler(tasks, c.sampler_window, c.sampler_floor, c.sampler_mix)
+                        if c.task_sampler == "learnability" and c.mode == "train" and any(w > 0 for w in tasks.values())
                         else None)
 
     # ------------------------------------------------------------------ episodes in flight

@@ -1,6 +1,6 @@
 """The controller: turns the run plan into episode jobs, with backpressure, and keeps the books.
 
-* Plan: a task mix (``controller.tasks``), groups of ``group_size`` episodes of the same task instance,
+* Plan: a task mix (``run.tasks``), groups of ``group_size`` episodes of the same task instance,
   published as jobs on ``jobs.<task>`` until the trainer has done ``trainer.steps`` steps.
 * Backpressure: at most ``max_inflight`` episodes published and not yet finished, and none published
   while ``max_backlog`` finished trajectories wait for the trainer (read off the trainer's consumer on
@@ -85,7 +85,7 @@ class Controller(RunBooks):
         engines load slowly takes longer than a request's timeout); for training, the first ``controller.train_limit`` of them."""
         out: dict[str, list[str]] = {}
         deadline = time.monotonic() + timeout_s
-        for task, share in self.cfg.controller.tasks.items():
+        for task, share in self.cfg.run.tasks.items():
             if share <= 0:
                 continue
             client = EnvClient(self.nc, self.subjects, task, timeout_s=10.0)
@@ -125,7 +125,7 @@ class Controller(RunBooks):
 
     async def publish_jobs(self, stop: asyncio.Event) -> None:
         task_ids = await self.fetch_task_ids(self.cfg.controller.env_wait_s)
-        planner = Planner(self.cfg.controller.tasks, task_ids, self.cfg.run.seed, self.cfg.controller.lane_lead,
+        planner = Planner(self.cfg.run.tasks, task_ids, self.cfg.run.seed, self.cfg.controller.lane_lead,
                           self.sampler)
         self.state = "running"
         await self.nc.publish(self.subjects.run_control, self.control(RunControl(event="started", info={
@@ -193,7 +193,7 @@ class Controller(RunBooks):
     def open_lanes(self) -> set[str]:
         """Tasks with room for one more group under their ``task_max_inflight`` bound."""
         lanes, size = self.cfg.controller.task_max_inflight, self.cfg.controller.group_size
-        bound = {t: lanes.get(t, lanes.get("*", 0)) for t in self.cfg.controller.tasks}
+        bound = {t: lanes.get(t, lanes.get("*", 0)) for t in self.cfg.run.tasks}
         return {t for t, b in bound.items() if not b or self.inflight_by_task[t] + size <= max(b, size)}
 
     async def _wait_for_news(self) -> None:

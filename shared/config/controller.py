@@ -1,4 +1,4 @@
-"""[controller]: the run's task mix, what it publishes and when, and its status API."""
+"""[controller]: what the controller publishes and when (of the run's tasks, ``run.tasks``), and its status API."""
 
 from __future__ import annotations
 
@@ -14,8 +14,6 @@ EvalPass = Literal["greedy", "sampled"]
 class ControllerConfig:
     mode: Literal["train", "eval"] = opt("train", "train (publish training groups) or eval (each test task once, "
                                                   "then report)")
-    tasks: dict[str, float] = opt({}, "task mix: task -> share of episodes (any registered task: "
-                                      "shared/tasks.py); jetrl up and the controller need at least one", ge=0)
     train_limit: int = opt(0, "train: draw groups from only the first this many training tasks of each task type "
                               "(0 = all); a probe with eval_split=train and the same eval_limit runs those tasks", ge=0)
     eval_split: str = opt("test", "eval: the split to run")

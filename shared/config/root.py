@@ -57,7 +57,7 @@ def validate(cfg: JetRLConfig) -> None:
     for key, lanes in (("rollout.task_concurrency", cfg.rollout.task_concurrency),
                        ("controller.task_max_inflight", cfg.controller.task_max_inflight),
                        ("trainer.max_tokens", cfg.trainer.max_tokens)):
-        unknown = set(lanes) - set(cfg.controller.tasks) - {"*"} if cfg.controller.tasks else set()
+        unknown = set(lanes) - set(cfg.run.tasks) - {"*"} if cfg.run.tasks else set()
         if unknown:
-            raise ConfigError(f"{key} maps the run's tasks (controller.tasks: {', '.join(cfg.controller.tasks)}; "
+            raise ConfigError(f"{key} maps the run's tasks (run.tasks: {', '.join(cfg.run.tasks)}; "
                               f"or '*'), got {', '.join(sorted(unknown))}")

@@ -16,6 +16,10 @@ LogFormat = Literal["console", "json"]
 class RunConfig:
     dir: str = opt("runs/latest", "run directory: config, logs, metrics.jsonl, checkpoints")
     seed: int = opt(0, "global random seed")
+    tasks: dict[str, float] = opt({}, "the run's tasks: task -> share of the episodes the controller publishes (any "
+                                      "registered task: shared/tasks.py); every role reads which tasks there are "
+                                      "(rollout lanes, durables); jetrl up and the controller need at least one",
+                                  ge=0)
     log_level: LogLevel = opt("info", "least severe log lines written")
     log_format: LogFormat = opt("console", "console (key=value lines) or json (one object a line)")
 

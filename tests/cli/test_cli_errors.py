@@ -28,9 +28,9 @@ def errors_of(capsys: pytest.CaptureFixture[str], argv: list[str]) -> list[str]:
 
 def test_jetrl_up_refuses_a_bad_config_in_one_line_before_starting_anything(tmp_path, capsys) -> None:
     run_dir = tmp_path / "run"
-    up = ["up", f"--run.dir={run_dir}", '--controller.tasks={"db": 1}']
-    assert errors_of(capsys, [*up, '--controller.tasks={"dbb": 1}']) == [
-        "jetrl: error: controller.tasks: unknown task 'dbb' (did you mean 'db'?) (known: "
+    up = ["up", f"--run.dir={run_dir}", '--run.tasks={"db": 1}']
+    assert errors_of(capsys, [*up, '--run.tasks={"dbb": 1}']) == [
+        "jetrl: error: run.tasks: unknown task 'dbb' (did you mean 'db'?) (known: "
         f"{', '.join(sorted(registered_tasks()))})"]
     assert errors_of(capsys, [*up, "--model.name=runs/nowhere/model"]) == [
         f"jetrl: error: model.name='runs/nowhere/model': not 'tiny', 'smollm2' or a directory "
@@ -41,11 +41,11 @@ def test_jetrl_up_refuses_a_bad_config_in_one_line_before_starting_anything(tmp_
     assert errors_of(capsys, [*up, f"--model.name={empty}"]) == [
         f"jetrl: error: model.name='{empty}': no weights in {empty} (*.safetensors or pytorch_model*.bin)",
         f"jetrl: error: model.name='{empty}': no tokenizer in {empty} (tokenizer.json or tokenizer_config.json)"]
-    assert errors_of(capsys, [*up, "--controller.task=db"]) == [
-        "jetrl: error: unknown config key controller.task (did you mean controller.tasks?)"]
+    assert errors_of(capsys, [*up, "--run.task=db"]) == [
+        "jetrl: error: unknown config key run.task (did you mean run.tasks?)"]
     assert errors_of(capsys, [*up, "--trainr.steps=3"])[0].startswith(
         "jetrl: error: unknown config section 'trainr' (did you mean trainer?)")
-    assert errors_of(capsys, [*up, '--controller.tasks={"kg": 1}', "--env.kg.ntriples=/no/such.nt"]) == [
+    assert errors_of(capsys, [*up, '--run.tasks={"kg": 1}', "--env.kg.ntriples=/no/such.nt"]) == [
         "jetrl: error: env.kg.ntriples: /no/such.nt does not exist"]
     assert errors_of(capsys, [*up, "--config", str(tmp_path / "missing.toml")]) == [
         f"jetrl: error: config file {tmp_path / 'missing.toml'} does not exist"]
@@ -70,13 +70,13 @@ def test_status_without_a_run_is_one_line_and_debug_shows_the_traceback(tmp_path
 
 def test_the_whole_check_takes_well_under_a_second(tmp_path) -> None:
     cfg = JetRLConfig()
-    cfg.controller.tasks = {"db": 1.0, "kg": 1.0, "os": 1.0}
+    cfg.run.tasks = {"db": 1.0, "kg": 1.0, "os": 1.0}
     started = time.perf_counter()
     for _ in range(10):
         assert check_config(cfg) == []
     assert (time.perf_counter() - started) / 10 < 0.1
     # the whole command, Python's start and imports included, on a busy 2-core machine
-    cfg.controller.tasks = {"nope": 1.0}
+    cfg.run.tasks = {"nope": 1.0}
     path = tmp_path / "bad.toml"
     save_config(cfg, path)
     started = time.monotonic()

@@ -91,7 +91,7 @@ def oracle_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     tmp_path = tmp_path_factory.mktemp("oracle")
     config = JetRLConfig()
     config.nats.prefix = "oracle"
-    config.controller.tasks = {"db": 1.0, "sums": 1.0}
+    config.run.tasks = {"db": 1.0, "sums": 1.0}
     config.env.sections["sums"] = {"factory": "tests.sums_env:make_env"}  # a grader with a setting
     config.controller.max_inflight = 8
     config.env.num_train_tasks, config.env.num_test_tasks = 8, 2

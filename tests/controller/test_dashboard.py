@@ -262,7 +262,7 @@ def test_dashboard_in_a_real_browser_during_a_real_run(config: JetRLConfig, tmp_
     # (stopped with the rest at the end): a trainer done with its steps leaves the replicas table, and
     # with 3 steps it sometimes left before the page looked for it.
     cfg = config
-    cfg.controller.tasks = {"db": 1.0}
+    cfg.run.tasks = {"db": 1.0}
     cfg.controller.group_size, cfg.controller.max_inflight = 2, 4
     cfg.rollout.max_new_tokens, cfg.rollout.concurrency = 12, 2
     cfg.trainer.steps, cfg.trainer.min_groups, cfg.trainer.lr = 1000, 1, 1e-3

@@ -52,7 +52,7 @@ async def run_mixed(nc: Any, config: JetRLConfig, subjects: Subjects, lanes: boo
     """Controller + rollout on db and the saturated task until ``until(controller, worker)``; the most episodes of
     the slow task the controller ever had in flight."""
     quiet_transformers()
-    config.controller.tasks = {"db": 1.0, SLOW: 1.0}
+    config.run.tasks = {"db": 1.0, SLOW: 1.0}
     config.controller.group_size = 2
     config.controller.max_inflight = 8
     config.controller.max_backlog = 0  # no trainer here
@@ -68,7 +68,7 @@ async def run_mixed(nc: Any, config: JetRLConfig, subjects: Subjects, lanes: boo
     tokenizer = load_tokenizer(resolve_model(ModelConfig()))
     controller = Controller(nc, js, subjects, config, "controller-lanes")
     worker = RolloutWorker(nc, js, subjects, config.rollout, None, tokenizer, "rollout-lanes",
-                           tasks=list(config.controller.tasks))
+                           tasks=list(config.run.tasks))
     stop = asyncio.Event()
     jobs = [asyncio.create_task(controller.track_trajectories()), asyncio.create_task(controller.publish_jobs(stop)),
             asyncio.create_task(worker.run(stop))]

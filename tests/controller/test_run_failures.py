@@ -31,7 +31,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 async def test_the_controller_waits_for_an_env_that_is_building(nc, config, subjects) -> None:
     js = nc.jetstream()
-    config.controller.tasks = {"db": 1.0}
+    config.run.tasks = {"db": 1.0}
     controller = Controller(nc, js, subjects, config, "controller-test")
     env_cfg = EnvConfig(num_train_tasks=6, num_test_tasks=2)
 
@@ -87,7 +87,7 @@ async def test_the_controller_waits_for_an_env_that_is_building(nc, config, subj
 
 async def test_an_env_that_neither_answers_nor_builds_fails_the_plan_with_the_key_to_change(
         nc, config, subjects) -> None:
-    config.controller.tasks = {"db": 1.0}
+    config.run.tasks = {"db": 1.0}
     controller = Controller(nc, nc.jetstream(), subjects, config, "controller-test")
     with pytest.raises(RuntimeError, match=r"env service for task 'db' did not answer within 0.5s "
                                            r"\(controller.env_wait_s\)"):
@@ -98,7 +98,7 @@ async def test_an_env_that_neither_answers_nor_builds_fails_the_plan_with_the_ke
 def test_jetrl_up_prints_a_failed_run_in_one_line_and_exits_non_zero(tmp_path: Path) -> None:
     cfg = JetRLConfig()
     cfg.run.dir = str(tmp_path / "run")
-    cfg.controller.tasks = {"db": 1.0}
+    cfg.run.tasks = {"db": 1.0}
     cfg.controller.env_wait_s = 1.0
     path = tmp_path / "fail.toml"
     save_config(cfg, path)

@@ -134,14 +134,15 @@ async def test_an_always_flat_task_is_drawn_less_and_the_weights_are_in_status(n
                                                                               sums_hosts) -> None:
     quiet_transformers()
     c = config.controller
-    c.tasks, c.group_size, c.max_inflight, c.max_backlog, c.env_wait_s = {"flat": 1.0, "mixed": 1.0}, 2, 4, 0, 20.0
+    config.run.tasks = {"flat": 1.0, "mixed": 1.0}
+    c.group_size, c.max_inflight, c.max_backlog, c.env_wait_s = 2, 4, 0, 20.0
     c.task_sampler, c.sampler_window = "learnability", 32
     config.rollout.engine, config.rollout.concurrency = "oracle", 4
     validate(config)
     js = nc.jetstream()
     controller = Controller(nc, js, subjects, config, "controller-sampler")
     worker = RolloutWorker(nc, js, subjects, config.rollout, None, load_tokenizer(resolve_model(ModelConfig())),
-                           "rollout-sampler", tasks=list(c.tasks))
+                           "rollout-sampler", tasks=list(config.run.tasks))
     stop = asyncio.Event()
     jobs = [asyncio.create_task(controller.track_trajectories()), asyncio.create_task(controller.publish_jobs(stop)),
             asyncio.create_task(worker.run(stop))]
@@ -167,7 +168,7 @@ async def test_an_always_flat_task_is_drawn_less_and_the_weights_are_in_status(n
 
 
 async def test_only_training_episodes_the_policy_played_move_the_weights(nc, config, subjects) -> None:
-    config.controller.tasks, config.controller.task_sampler = {"db": 1.0}, "learnability"
+    config.run.tasks, config.controller.task_sampler = {"db": 1.0}, "learnability"
     controller = Controller(nc, nc.jetstream(), subjects, config, "controller-sampler-feed")
     solved = traj("e-1", "db", 1.0, [0])
     controller.on_trajectory(solved)
@@ -179,8 +180,8 @@ async def test_only_training_episodes_the_policy_played_move_the_weights(nc, con
 
 
 async def test_without_the_sampler_status_says_so_and_the_shares_are_exact(nc, config, subjects) -> None:
-    config.controller.tasks = {"a": 1.0, "b": 1.0}
+    config.run.tasks = {"a": 1.0, "b": 1.0}
     controller = Controller(nc, nc.jetstream(), subjects, config, "controller-mix")
     assert controller.sampler is None and controller.status()["sampler"] is None
-    planner = Planner(config.controller.tasks, {"a": ["a-0"], "b": ["b-0"]}, seed=0)
+    planner = Planner(config.run.tasks, {"a": ["a-0"], "b": ["b-0"]}, seed=0)
     assert [planner.next_group() for _ in range(4)] == [("a", "a-0"), ("b", "b-0"), ("a", "a-0"), ("b", "b-0")]

@@ -50,7 +50,7 @@ def small_run(tmp_path: Path, name: str, **sections: dict) -> Path:
     """A config as a user would write one for a tiny, quick run: no nats.url, so `jetrl up` starts its own."""
     cfg = JetRLConfig()
     cfg.run.dir = str(tmp_path / name)
-    cfg.controller.tasks = {"arith": 1.0}
+    cfg.run.tasks = {"arith": 1.0}
     cfg.controller.group_size = 2
     cfg.controller.max_inflight = 4
     cfg.controller.eval_limit = 4
@@ -139,7 +139,7 @@ def test_registry_order_and_errors(plugin: str, tmp_path: Path) -> None:
     bad = small_run(tmp_path, "bad", arith={"max_operand": 9, "colour": "red"})
     proc = jetrl("up", "--config", str(bad), timeout=60)
     assert proc.returncode != 0 and "unknown config key env.arith.colour" in proc.stderr, proc.stderr
-    proc = jetrl("up", "--controller.tasks={}", timeout=60)
-    assert proc.returncode != 0 and "controller.tasks: no task to run" in proc.stderr, proc.stderr
-    proc = jetrl("up", '--controller.tasks={"nosuch": 1}', timeout=60)
+    proc = jetrl("up", "--run.tasks={}", timeout=60)
+    assert proc.returncode != 0 and "run.tasks: no task to run" in proc.stderr, proc.stderr
+    proc = jetrl("up", '--run.tasks={"nosuch": 1}', timeout=60)
     assert proc.returncode != 0 and "unknown task 'nosuch'" in proc.stderr, proc.stderr

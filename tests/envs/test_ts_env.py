@@ -300,7 +300,7 @@ def run_config(tmp_path: Path, mode: str) -> Path:
     build_ts_ledger()
     cfg = JetRLConfig()
     cfg.run.dir = str(tmp_path / mode)
-    cfg.controller.tasks = {"ledger": 1.0}
+    cfg.run.tasks = {"ledger": 1.0}
     cfg.controller.group_size = 2
     cfg.controller.max_inflight = 4
     cfg.rollout.max_new_tokens = 12

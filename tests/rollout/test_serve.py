@@ -260,7 +260,7 @@ def test_jetrl_eval_drives_an_openai_compatible_server(served, tmp_path) -> None
     run_dir = tmp_path / "eval"
     proc = subprocess.run(
         [sys.executable, "-m", "jetrl.cli", "eval", "--engine", "openai", "--base-url", served.url,
-         "--model", "tiny-policy", "--rollouts", "1", f"--run.dir={run_dir}", f"--controller.tasks={json.dumps(tasks)}",
+         "--model", "tiny-policy", "--rollouts", "1", f"--run.dir={run_dir}", f"--run.tasks={json.dumps(tasks)}",
          "--controller.eval_limit=4", "--rollout.max_new_tokens=24", "--env.invalid_action_ends_episode=true",
          '--env.bfcl.categories=["simple_python", "parallel", "irrelevance", "multi_turn_base"]'],
         cwd=REPO, capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=str(REPO)))
@@ -314,7 +314,7 @@ def test_jetrl_eval_drives_llama_cpp_serving_the_smollm2_gguf(tmp_path) -> None:
         proc = subprocess.run(
             [sys.executable, "-m", "jetrl.cli", "eval", "--engine", "openai", "--base-url",
              f"http://127.0.0.1:{port}/v1", "--model", "smollm2", "--rollouts", "1", f"--run.dir={run_dir}",
-             '--controller.tasks={"db": 1}', "--controller.eval_limit=2", "--rollout.max_new_tokens=64",
+             '--run.tasks={"db": 1}', "--controller.eval_limit=2", "--rollout.max_new_tokens=64",
              "--env.invalid_action_ends_episode=true"],
             cwd=REPO, capture_output=True, text=True, timeout=600, env=dict(os.environ, PYTHONPATH=str(REPO)))
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]

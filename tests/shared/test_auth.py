@@ -393,7 +393,7 @@ def test_jetrl_up_runs_with_auth_and_a_forged_announcement_neither_ends_nor_reac
     observer, and a rollout-credentialed forger's announcement of version 10^9 is refused."""
     cfg = JetRLConfig()
     cfg.run.dir = str(tmp_path / "run")
-    cfg.controller.tasks = {"db": 1.0}
+    cfg.run.tasks = {"db": 1.0}
     cfg.controller.group_size = 2
     cfg.controller.max_inflight = 4
     cfg.rollout.max_new_tokens = 12

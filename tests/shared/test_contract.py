@@ -277,12 +277,12 @@ def test_object_store_internals_match_the_client() -> None:
 
 def test_config_layers_and_errors(tmp_path) -> None:
     path = tmp_path / "c.toml"
-    path.write_text('[trainer]\nlr = 0.001\nsteps = 5\n[controller]\ntasks = { db = 0.5, os = 0.5 }\n')
+    path.write_text('[trainer]\nlr = 0.001\nsteps = 5\n[run]\ntasks = { db = 0.5, os = 0.5 }\n')
     cfg = load_config(path, ["trainer.steps=7", "--controller.group_size=8"],
                       environ={"JETRL__TRAINER__SHARED_PREFIX": "false", "JETRL__RUN__SEED": "3"})
     assert cfg.trainer.lr == 0.001 and cfg.trainer.steps == 7 and cfg.controller.group_size == 8
     assert cfg.trainer.shared_prefix is False and cfg.run.seed == 3
-    assert cfg.controller.tasks == {"db": 0.5, "os": 0.5}
+    assert cfg.run.tasks == {"db": 0.5, "os": 0.5}
     with pytest.raises(ConfigError, match="unknown config key trainer.learning_rate"):
         load_config(None, ["trainer.learning_rate=1"], environ={})
     with pytest.raises(ConfigError, match="cannot read 'abc'"):
@@ -324,7 +324,7 @@ def test_config_task_sections_in_every_form(tmp_path) -> None:
 
 def test_config_round_trips_through_save_config(tmp_path) -> None:
     overrides = ["env.db.levels=2,3", 'env.os.agentbench_train=["a.json"]', "env.webshop.num_products=99",
-                 "env.max_sessions=3", 'trainer.max_staleness={"db": 2}', "controller.tasks=db=0.5,os=0.5",
+                 "env.max_sessions=3", 'trainer.max_staleness={"db": 2}', "run.tasks=db=0.5,os=0.5",
                  "rollout.vllm.dtype=bfloat16", "trainer.deepspeed.zero_stage=3"]
     cfg = load_config(None, overrides, environ={})
     path = tmp_path / "saved.toml"
@@ -356,7 +356,8 @@ def test_engine_and_backend_keys_are_sub_sections_in_every_form(tmp_path) -> Non
     ("rollout.matmul_dtype", "rollout.continuous.matmul_dtype"), ("rollout.kv_cache_tokens",
                                                                    "rollout.continuous.kv_cache_tokens"),
     ("trainer.zero_stage", "trainer.deepspeed.zero_stage"), ("trainer.ds_dtype", "trainer.deepspeed.dtype"),
-    ("controller.heartbeat_ttl_s", "nats.heartbeat_ttl_s"), ("rollout.vllm.dtyp", "rollout.vllm.dtype")])
+    ("controller.heartbeat_ttl_s", "nats.heartbeat_ttl_s"), ("controller.tasks", "run.tasks"),
+    ("rollout.vllm.dtyp", "rollout.vllm.dtype")])
 def test_a_key_not_where_it_is_written_is_unknown_naming_where_it_is(key: str, suggestion: str) -> None:
     with pytest.raises(ConfigError, match=rf"unknown config key {re.escape(key)} \(did you mean "
                                           rf"{re.escape(suggestion)}\?\)"):
@@ -375,8 +376,8 @@ def test_choices_and_ranges_are_checked_from_their_declarations() -> None:
         load_config(None, ["controller.eval_passes=greedy,best"], environ={})
     with pytest.raises(ConfigError, match=r"config key rollout\.cross_policy_prob must be in \[0, 1\], got 1\.5"):
         load_config(None, ["rollout.cross_policy_prob=1.5"], environ={})
-    with pytest.raises(ConfigError, match=r"config key controller\.tasks\.os must be >= 0, got -1\.0"):
-        load_config(None, ["controller.tasks=db=1,os=-1"], environ={})
+    with pytest.raises(ConfigError, match=r"config key run\.tasks\.os must be >= 0, got -1\.0"):
+        load_config(None, ["run.tasks=db=1,os=-1"], environ={})
     # a value set in code is checked too, when the config is validated
     cfg = JetRLConfig()
     cfg.rollout.vllm.gpu_memory_utilization = 0.0
@@ -412,11 +413,11 @@ def test_jetrl_config_for_one_task() -> None:
 
 
 def test_map_and_list_values_keep_their_types_from_flags_and_env_vars() -> None:
-    cfg = load_config(overrides=["--controller.tasks=os=1", "--rollout.task_concurrency=os=2,*=3"],
+    cfg = load_config(overrides=["--run.tasks=os=1", "--rollout.task_concurrency=os=2,*=3"],
                       environ={"JETRL__CONTROLLER__TASK_MAX_INFLIGHT": "os=4"})
     assert cfg.rollout.task_concurrency == {"os": 2, "*": 3}
     assert all(type(v) is int for v in cfg.rollout.task_concurrency.values())
     assert cfg.controller.task_max_inflight == {"os": 4} and type(cfg.controller.task_max_inflight["os"]) is int
-    assert cfg.controller.tasks == {"os": 1.0}
+    assert cfg.run.tasks == {"os": 1.0}
     with pytest.raises(ConfigError, match="rollout.task_concurrency"):
-        load_config(overrides=["--controller.tasks=os=1", "--rollout.task_concurrency=os=2.5"], environ={})
+        load_config(overrides=["--run.tasks=os=1", "--rollout.task_concurrency=os=2.5"], environ={})

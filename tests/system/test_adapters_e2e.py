@@ -37,7 +37,7 @@ def adapters_run(tmp_path: Path, name: str) -> Path:
            "split": "test"} for i in range(2))]))
     cfg = JetRLConfig()
     cfg.run.dir = str(tmp_path / name)
-    cfg.controller.tasks = {task: 1.0 for task in TASKS}
+    cfg.run.tasks = {task: 1.0 for task in TASKS}
     cfg.controller.group_size = 2
     cfg.controller.max_inflight = 6
     cfg.controller.eval_limit = 2

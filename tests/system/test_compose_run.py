@@ -237,9 +237,9 @@ NODE_SERVICES = {"nats-1": "nats", "nats-2": "nats-2", "nats-3": "nats-3"}  # --
 # The db task only (as tests/system/test_cluster.py): the cluster is under test, not the envs, and env-kg's first start
 # builds its graph for minutes. Written next to the test's env file as one more -f file.
 DB_ONLY = """services:
-  controller: {environment: {JETRL__CONTROLLER__TASKS: "db=1.0"}}
-  trainer: {environment: {JETRL__CONTROLLER__TASKS: "db=1.0"}}
-  rollout: {environment: {JETRL__CONTROLLER__TASKS: "db=1.0"}}
+  controller: {environment: {JETRL__RUN__TASKS: "db=1.0"}}
+  trainer: {environment: {JETRL__RUN__TASKS: "db=1.0"}}
+  rollout: {environment: {JETRL__RUN__TASKS: "db=1.0"}}
 """
 
 

@@ -31,7 +31,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def small_config(config: JetRLConfig, tmp_path: Path, **over: object) -> JetRLConfig:
-    config.controller.tasks = {"db": 1.0}
+    config.run.tasks = {"db": 1.0}
     config.controller.group_size = 2
     config.controller.max_inflight = 4
     config.rollout.max_new_tokens = 12

@@ -45,7 +45,7 @@ def fault_config(run_dir: Path, steps: int) -> JetRLConfig:
     cfg = JetRLConfig()
     cfg.run.dir = str(run_dir)
     cfg.nats.prefix = "faults"
-    cfg.controller.tasks = {"db": 1.0}
+    cfg.run.tasks = {"db": 1.0}
     cfg.controller.group_size = 2
     cfg.controller.max_inflight = 4
     # no backlog: every step needs freshly played episodes, so a step after a fault proves the run recovered
