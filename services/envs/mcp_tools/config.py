@@ -18,7 +18,7 @@ class McpToolsConfig:
     server_env: dict[str, str] = opt({}, "environment variables for the stdio server, beside the few the MCP SDK "
                                          "passes on (HOME, PATH, ...: never the replica's own)")
     url: str = opt("", "a streamable-HTTP MCP server (http://host:port/mcp): one MCP session per "
-                          "episode, or pool_size of them for a pool")
+                       "episode, or pool_size of them for a pool")
     sessions: Literal["per_episode", "pooled", "auto"] = opt(
         "per_episode", "per_episode: each episode opens its own MCP session (a stdio process, an HTTP "
                        "Mcp-Session-Id) | pooled: pool_size open sessions shared by every episode, each call "
