@@ -1,7 +1,8 @@
-"""One continuous engine holding several LoRA versions beside the base weights (cross-policy sampling without
-a second model): every version it holds, and the base model, gives the logprobs of the HF model with that
-adapter merged, in one batch; caches are reused only by requests of their own version; the retention rule
-keeps an older version every ``keep_every`` versions."""
+"""One engine holding several LoRA versions beside the base weights (cross-policy sampling without a second
+model): every version the continuous engine holds, and the base model, gives the logprobs of the HF model with
+that adapter merged, in one batch (the reference engine too, batch by batch); caches are reused only by
+requests of their own version; the retention rule keeps an older version every ``keep_every`` versions; a
+cross-policy turn draws among the older versions held and names its version, engine id and digest."""
 
 from __future__ import annotations
 
