@@ -113,6 +113,7 @@ class AdapterSet:
         self.capacity = capacity
         self.keep_every = max(1, keep_every)
         self.concatenate = concatenate  # False: the pairs are applied module by module (``version_hooks``)
+        self.device = next(lm.decoder.parameters()).device  # the concatenated pairs live beside the weights
         self.held: list[HeldAdapter] = []  # oldest first; the current version's last (when it has one)
         self.current = BASE_VERSION
         self.versions: tuple[int, ...] = (BASE_VERSION,)  # every version a request may name, current last
@@ -171,15 +172,15 @@ class AdapterSet:
             columns = []
             for index, held in enumerate(self.held):
                 columns += [index] * (held.rank * len(modules))
-            self._column_versions[kind] = torch.tensor(columns, dtype=torch.long)
+            self._column_versions[kind] = torch.tensor(columns, dtype=torch.long, device=self.device)
         for layer in range(self.lm.num_layers):
             per_kind = {}
             for kind, modules in PROJECTIONS.items():
                 in_features = self._sizes[modules[0]][0]
                 outs = [self._sizes[m][1] for m in modules]
                 width = sum(h.rank for h in self.held) * len(modules)
-                a_t = torch.zeros((in_features, width))
-                b_t = torch.zeros((width, sum(outs)))
+                a_t = torch.zeros((in_features, width), device=self.device)
+                b_t = torch.zeros((width, sum(outs)), device=self.device)
                 col = 0
                 for held in self.held:
                     row = 0
@@ -211,9 +212,10 @@ class AdapterSet:
             unique, which = np.unique(versions[adapted], return_inverse=True)
             columns = np.array([index[int(v)] for v in unique])
             coefficients[adapted, columns[which]] = 1.0
-        c = torch.from_numpy(coefficients)
+        c = torch.from_numpy(coefficients).to(self.device)
         masks = {kind: c[:, columns] for kind, columns in self._column_versions.items()}
-        return StepCorrections(None if len(rows) == len(row_versions) else torch.from_numpy(rows), masks)
+        every_row = len(rows) == len(row_versions)
+        return StepCorrections(None if every_row else torch.from_numpy(rows).to(self.device), masks)
 
     def correct(self, step: StepCorrections, layer: int, kind: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """``out`` (the projection of ``x``, every packed row) with the step's rows moved to their versions."""

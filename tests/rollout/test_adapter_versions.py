@@ -1,7 +1,8 @@
-"""One continuous engine holding several LoRA versions beside the base weights (cross-policy sampling without
-a second model): every version it holds, and the base model, gives the logprobs of the HF model with that
-adapter merged, in one batch; caches are reused only by requests of their own version; the retention rule
-keeps an older version every ``keep_every`` versions."""
+"""One engine holding several LoRA versions beside the base weights (cross-policy sampling without a second
+model): every version the continuous engine holds, and the base model, gives the logprobs of the HF model with
+that adapter merged, in one batch (the reference engine too, batch by batch); caches are reused only by
+requests of their own version; the retention rule keeps an older version every ``keep_every`` versions; a
+cross-policy turn draws among the older versions held and names its version, engine id and digest."""
 
 from __future__ import annotations
 
@@ -189,3 +190,35 @@ def test_an_adapter_on_a_module_the_engine_cannot_reach_is_refused(setup) -> Non
     delta["lm_head.lora_B"] = torch.zeros(8, 4)
     with pytest.raises(ValueError, match="lm_head"):
         parse_adapter(delta, 1)
+
+
+async def test_cross_policy_turns_draw_the_older_versions_the_engine_holds(setup) -> None:
+    from services.rollout.turns import EngineTurns, TurnState
+    from shared.config import RolloutConfig
+    from shared.messages import EpisodeJob
+
+    tok = load_tokenizer(setup["path"])
+    engine = ContinuousEngine(setup["path"], "e", setup["stop"], seed=6, adapter_versions=3)
+    job = EpisodeJob(episode_id="x", group_id="g", task="db", task_id="t", group_size=1, max_new_tokens=4)
+    played: dict[bool, set[tuple[int, str]]] = {}
+    try:
+        for base in (False, True):
+            cfg = RolloutConfig(cross_policy_prob=1.0, adapter_versions=3, cross_policy_base=base)
+            counts = {"local": 0, "pool": 0, "held": 0}
+            source = EngineTurns(engine, tok, None, None, cfg, random.Random(0), {1: "d1", 2: "d2", 3: "d3"}, counts)
+            state = TurnState(job=job, env=None, env_replica="", session_id="s", turn=0, tokens=prompts(1, seed=7)[0],
+                              opening=[], tools=[])
+            if not base:  # nothing older held yet: the current version plays, and counts as local
+                first = await source.next_turn(state)
+                assert first.generation.policy_version == 0 and counts == {"local": 1, "pool": 0, "held": 0}
+                for version in (1, 2, 3):
+                    await load(engine, setup, version)
+                counts["local"] = 0
+            turns = [(await source.next_turn(state)).generation for _ in range(12)]
+            played[base] = {(g.policy_version, g.weights_digest) for g in turns}
+            assert counts["held"] == 12 and counts["local"] == 0 and counts["pool"] == 0
+            assert all(g.engine_id == f"e@v{g.policy_version}" for g in turns)
+    finally:
+        engine.close()
+    assert played[False] == {(1, "d1"), (2, "d2")}  # every older adapter held, each naming its own digest
+    assert played[True] == {(0, ""), (1, "d1"), (2, "d2")}  # and the base model, which has no digest
