@@ -453,7 +453,6 @@ async def claim_replica_user(cfg: NatsConfig, service: str, subjects: Subjects, 
             finally:
                 await nc.close()
             cfg.user, cfg.password, cfg.replica_passwords = user, password, []
-            log.info("replica_user_claimed", user=user, of=len(users))
             return user
         if time.monotonic() > deadline:
             raise RuntimeError(f"{service}: no replica user free after {wait_s:.0f} s: all {len(users)} of "

@@ -69,8 +69,10 @@ class Service:
         closes the connection, and declare what of the topology this role declares. A service given several
         replica users (compose: ``nats.replica_passwords``) first claims one, and is that replica from then on."""
         if self.cfg.nats.replica_passwords:
+            users = len(self.cfg.nats.replica_passwords)
             self.replica_id = await claim_replica_user(self.cfg.nats, self.name, self.subjects)
             structlog.contextvars.bind_contextvars(replica_id=self.replica_id)
+            self.log.info("replica_user_claimed", user=self.replica_id, of=users)
         self.nc = await connect(self.cfg.nats, self.replica_id, role=self.role)
         self.stack.push_async_callback(close_connection, self.nc)
         self.background("connection_watch", stop_if_connection_closed(self.nc, self.stop), restart_s=None)
