@@ -21,8 +21,8 @@ Roles and what they may do (JetStream API, KV and object-store internals include
 
 No service role creates a durable consumer, and none reads back (consumer, direct get) a stream it writes
 (see the table's comment). Every user but admin gets its own inbox prefix (``_INBOX_<user>``): a role's
-user, and under ``jetrl up`` one user per replica (``rollout-0``, ``env-sql-1``: ``replica_user``), so no role
-or replica can read another's replies; ``allow_responses`` lets responders answer only requests they
+user, and under ``jetrl up`` and compose one user per replica (``rollout-0``, ``env-sql-1``: ``replica_user``,
+``replica_users``), so no role or replica can read another's replies; ``allow_responses`` lets responders answer only requests they
 received. Every service user may write its role's registry keys (a replica's user: its own key alone) and
 publish dead letters.
 """

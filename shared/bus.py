@@ -412,8 +412,9 @@ async def publish_metrics(nc: Client, subjects: Subjects, role: str, replica_id:
 
 def replica_name(role: str, cfg: NatsConfig | None = None) -> str:
     """A replica id unique on this cluster: one replica's own NATS user where it has one (``jetrl up`` gives
-    each service its own: ``rollout-0``; the registry then lets it write that key alone), else role, host and
-    pid (subject-token safe)."""
+    each service its own: ``rollout-0``; the registry then lets it write that key alone; a compose replica
+    claims one as it connects, ``claim_replica_user``, and takes its name then), else role, host and pid
+    (subject-token safe)."""
     if cfg is not None and cfg.user and user_role(cfg.user) == role_family(role) != cfg.user:
         return cfg.user
     host = socket.gethostname().split(".")[0].replace("_", "-")
