@@ -19,7 +19,7 @@ system-deps:
 		else echo "note: $(DEB_PACKAGES) not installed (need root + apt); their tests will skip"; fi; \
 	fi
 
-# Debian's chromium for the dashboard's browser test (tests/test_dashboard.py drives it headless through
+# Debian's chromium for the dashboard's browser test (tests/controller/test_dashboard.py drives it headless through
 # PyPI playwright; playwright's own browser downloads are never used). Without it that test skips.
 system-deps: system-deps-browser
 .PHONY: system-deps-browser
@@ -31,7 +31,7 @@ system-deps-browser:
 		else echo "note: chromium not installed (need root + apt); the browser test will skip"; fi; \
 	fi
 
-# Debian's prometheus for promtool: tests/test_prometheus.py lints a /metrics scrape with
+# Debian's prometheus for promtool: tests/controller/test_prometheus.py lints a /metrics scrape with
 # `promtool check metrics` (Prometheus's own naming rules). Without it that check skips.
 system-deps: system-deps-promtool
 .PHONY: system-deps-promtool
@@ -64,22 +64,22 @@ test: venv system-deps
 lint: venv
 	$(BIN)/ruff check shared services jetrl tests bench
 
-# The docs site (mkdocs.yml) into site/, --strict as tests/test_docs.py builds it in `make test`;
+# The docs site (mkdocs.yml) into site/, --strict as tests/system/test_docs.py builds it in `make test`;
 # `.venv/bin/mkdocs serve` to read it while writing
 .PHONY: docs
 docs: venv
 	$(BIN)/mkdocs build --strict
 
-# RL makes SmolLM2 better through every service (~10 min on 2 cores): tests/test_learning.py
+# RL makes SmolLM2 better through every service (~10 min on 2 cores): tests/system/test_learning.py
 test-learning: venv system-deps
-	$(BIN)/python -m pytest -q -ra -m learning tests/test_learning.py
+	$(BIN)/python -m pytest -q -ra -rP -m learning tests/system/test_learning.py
 
 # Fault suite (~3-4 min on 2 cores): kill -9 of every service and of nats-server under `jetrl up`,
-# >= 10,000 malformed messages, a poison trajectory: tests/test_faults.py, figures in docs/benchmarks/faults.md;
-# a node of a 3-node JetStream cluster killed mid-run (~35-70 s): tests/test_cluster.py,
+# >= 10,000 malformed messages, a poison trajectory: tests/system/test_faults.py, figures in docs/benchmarks/faults.md;
+# a node of a 3-node JetStream cluster killed mid-run (~35-70 s): tests/system/test_cluster.py,
 # figures in docs/benchmarks/cluster.md
 test-faults: venv
-	$(BIN)/python -m pytest -q -ra -m faults tests/test_faults.py tests/test_faults_bounds.py tests/test_attacks.py tests/test_cluster.py
+	$(BIN)/python -m pytest -q -ra -m faults tests/system/test_faults.py tests/system/test_faults_bounds.py tests/system/test_attacks.py tests/system/test_cluster.py
 
 # A warm start built once and cached, then RL on SmolLM2 with per-task success rising step by step
 quickstart: venv

@@ -40,7 +40,7 @@ from shared.messages import BadMessage  # noqa: E402
 
 # --------------------------------------------------------------------------------------------- #
 # The legacy codec: shared/messages.py at daf4aeb, verbatim but for the names (legacy_*, Legacy*).
-# tests/test_contract.py uses it too, as the reference for wire compatibility.
+# tests/shared/test_contract.py uses it too, as the reference for wire compatibility.
 # --------------------------------------------------------------------------------------------- #
 def now() -> float:
     return time.time()

@@ -55,8 +55,8 @@ async def run_engine(cfg: JetRLConfig, engine: str, args: argparse.Namespace, wo
     server = EmbeddedNats(workdir / f"nats-{engine}")
     cfg.nats.url = server.start()
     cfg.nats.prefix = f"bench{uuid.uuid4().hex[:6]}"
-    cfg.rollout.engine, _, variant = engine.partition("-")  # continuous-bf16: rollout.matmul_dtype = bfloat16
-    cfg.rollout.matmul_dtype = "bfloat16" if variant == "bf16" else "float32"
+    cfg.rollout.engine, _, variant = engine.partition("-")  # continuous-bf16: [rollout.continuous] matmul_dtype
+    cfg.rollout.continuous.matmul_dtype = "bfloat16" if variant == "bf16" else "float32"
     path = workdir / f"{engine}.toml"
     save_config(cfg, path)
     procs = []
@@ -113,7 +113,8 @@ def main() -> None:
     parser.add_argument("--config", default=str(ROOT / "configs" / "smollm2.toml"))
     parser.add_argument("--model", required=True, help="model.name: a warm-start directory, smollm2, tiny")
     parser.add_argument("--engines", default="hf,continuous",
-                        help="hf | continuous | continuous-bf16 (rollout.matmul_dtype = bfloat16), comma-separated")
+                        help="hf | continuous | continuous-bf16 (rollout.continuous.matmul_dtype = bfloat16), "
+                             "comma-separated")
     parser.add_argument("--groups", type=int, default=4)
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--concurrency", type=int, default=32, help="rollout.concurrency (episodes at once)")

@@ -33,7 +33,7 @@ sys.path.insert(0, str(REPO))
 
 from bench.bench_trainer import db_trajectories  # noqa: E402
 from services.trainer.trainer import Trainer  # noqa: E402
-from shared.config import JetRLConfig, ModelConfig, TrainerConfig  # noqa: E402
+from shared.config import DeepSpeedConfig, JetRLConfig, ModelConfig, TrainerConfig  # noqa: E402
 from shared.model import load_model, load_tokenizer, quiet_transformers, resolve_model  # noqa: E402
 from shared.subjects import Subjects  # noqa: E402
 
@@ -46,7 +46,7 @@ def worker(args: argparse.Namespace) -> None:
     cfg = JetRLConfig()
     cfg.model = ModelConfig(name=args.model)
     cfg.trainer = TrainerConfig(lr=1e-6, micro_batch_tokens=args.micro_batch_tokens, backend=args.backend,
-                                zero_stage=args.zero_stage, torch_threads=1)
+                                deepspeed=DeepSpeedConfig(zero_stage=args.zero_stage), torch_threads=1)
     path = resolve_model(cfg.model)
     trajs = db_trajectories(load_tokenizer(path), args.groups, args.group_size)
     model = load_model(path)

@@ -3,7 +3,7 @@
 Two parts, each a median over ``--repeats``:
 
 1. Raw objects (random bytes) of several sizes and chunk sizes: the trainer's ``ObjectStore.put``, the
-   replica's reader ``shared.bus.read_object`` (its own connection, ``shared.objectread``) alternating with
+   replica's reader ``shared.objectread.read_object`` (its own connection) alternating with
    the same reader through nats-py's pull ``fetch`` (``read_object_nats_py``, how it read before), both
    checking the BLAKE3 digest, each into a fresh buffer; and nats-py's ``ObjectStore.get`` (only up to
    ``--get-max-mb``: it is quadratic, and slow beyond that).
@@ -49,7 +49,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, ObjectMeta, Ob
 from services.rollout.continuous import ContinuousEngine  # noqa: E402
 from services.rollout.engine import HFEngine  # noqa: E402
 from services.rollout.worker import RolloutWorker, WeightsLoadTimes  # noqa: E402
-from shared.bus import connect, declare_topology, read_object  # noqa: E402
+from shared.bus import connect, declare_topology  # noqa: E402
 from shared.config import ModelConfig, NatsConfig, RolloutConfig  # noqa: E402
 from shared.digest import digest, new_hasher, split_digest  # noqa: E402
 from shared.messages import WeightsAnnouncement  # noqa: E402
@@ -64,6 +64,7 @@ from shared.model import (  # noqa: E402
     weights_to_bytes,
 )
 from shared.natsd import EmbeddedNats  # noqa: E402
+from shared.objectread import read_object  # noqa: E402
 from shared.subjects import Subjects  # noqa: E402
 
 MB = 1e6
@@ -144,7 +145,7 @@ def lora_model(path: Path, rank: int) -> Any:
 # ------------------------------------------------- read_object through nats-py, for comparison
 async def read_object_nats_py(js: Any, bucket: str, name: str, window_bytes: int = 16 * 1024**2,
                               expected_digest: str | None = None) -> bytearray:
-    """``shared.bus.read_object`` before its own connection (``shared.objectread``): the chunks through
+    """``shared.objectread.read_object`` before its own connection: the chunks through
     nats-py's pull ``fetch`` in 16 MiB batches, each copied into the buffer and hashed as it arrives."""
     store = await js.object_store(bucket)
     info = await store.get_info(name)
@@ -178,7 +179,7 @@ async def read_object_nats_py(js: Any, bucket: str, name: str, window_bytes: int
 
 # ----------------------------------------------------------------- the replica's path in an earlier version, for comparison
 async def read_object_before(js: Any, bucket: str, name: str, window_bytes: int = 16 * 1024**2) -> bytes:
-    """``shared.bus.read_object`` as it was: the chunks joined into one ``bytes``, then a SHA-256 pass
+    """``shared.objectread.read_object`` as it was: the chunks joined into one ``bytes``, then a SHA-256 pass
     against the store's digest."""
     store = await js.object_store(bucket)
     info = await store.get_info(name)

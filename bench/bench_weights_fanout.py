@@ -6,7 +6,7 @@ weights with 1 MiB chunks (as the trainer does), announces it to every replica a
 each has reported that its engine holds it. Three read paths take turns, round by round, on the same
 replicas:
 
-* ``now``: ``RolloutWorker._load`` (``shared.bus.read_object``'s own connection, ``shared.objectread``: each
+* ``now``: ``RolloutWorker._load`` (``shared.objectread.read_object``'s own connection: each
   chunk from the socket into its place, one BLAKE3 pass as they arrive; read into the previous version's
   buffer when nothing refers to it any more).
 * ``nats-py``: the same, but the chunks come through nats-py's pull ``fetch`` into a fresh buffer

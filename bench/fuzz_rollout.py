@@ -31,7 +31,7 @@ from shared.config import NatsConfig, save_config
 from shared.envapi import EnvClient
 from shared.messages import ActionEvent, EnvInteract, EnvStart, GenerateRequest, MetricsReport, Trajectory, TurnInfo
 from shared.subjects import Subjects
-from tests.test_faults import fault_config, steps_done
+from tests.system.test_faults import fault_config, steps_done
 
 REPO = Path(__file__).resolve().parent.parent
 

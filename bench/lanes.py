@@ -44,7 +44,7 @@ def shares(rows: list[dict[str, Any]], weights: dict[str, float], played: dict[s
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tasks", default='{"db": 0.5, "os": 0.5}', help="controller.tasks (JSON)")
+    parser.add_argument("--tasks", default='{"db": 0.5, "os": 0.5}', help="run.tasks (JSON)")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--batch", type=int, default=16, help="episodes per step (trainer.min/max_groups)")
     parser.add_argument("--lanes", default='{"*": 4}', help="rollout.task_concurrency of the lanes run (JSON)")
@@ -56,7 +56,7 @@ def main() -> None:
     weights = json.loads(args.tasks)
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    common = ["--model.name=tiny", f"--controller.tasks={args.tasks}", f"--trainer.steps={args.steps}",
+    common = ["--model.name=tiny", f"--run.tasks={args.tasks}", f"--trainer.steps={args.steps}",
               f"--trainer.min_groups={args.batch}", f"--trainer.max_groups={args.batch}",
               "--controller.max_inflight=16", "--rollout.concurrency=8", "--rollouts=1", *overrides]
     plans = {"one lane": [], "lanes": [f"--rollout.task_concurrency={args.lanes}",

@@ -8,8 +8,9 @@
 2. **Probe of the warm start** ``jetrl probe`` on each split of ``--eval-splits``: a greedy pass and a
    sampled pass (``--eval-samples`` attempts per task at T = 1), per task, level and kind.
 3. **RL variants**, each ``jetrl up`` from the warm-start model (same steps, same time limit), then the same
-   probe of its final model: ``full`` (task normalisation + cross-policy sampling with a stale engine),
-   ``no_task_norm``, ``no_cross_policy``, ``expert-<task>`` (the full recipe on one task only), and
+   probe of its final model: ``full`` (task normalisation + cross-policy sampling: by default older LoRA
+   versions held in the one replica's engine, ``rollout.adapter_versions``; ``--adapter-versions 0``: a
+   stale pool engine of its own), ``no_task_norm``, ``no_cross_policy`` (one engine, the current version only), ``expert-<task>`` (the full recipe on one task only), and
    ``sampler`` (``full`` with the learnability task sampler, to set beside ``full``: flat groups and gains).
 4. **Report**: ``<out>/results.json``, a markdown table per pass (printed, and written into
    ``docs/benchmarks/learning.md`` between the ``<!-- results:begin/end -->`` markers with ``--write-doc``):
@@ -95,7 +96,7 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
 
 
 def tasks_arg(tasks: list[str]) -> str:
-    return "--controller.tasks=" + json.dumps({t: 1.0 for t in tasks}, separators=(",", ":"))
+    return "--run.tasks=" + json.dumps({t: 1.0 for t in tasks}, separators=(",", ":"))
 
 
 # ---------------------------------------------------------------------------------------------- stages
@@ -141,7 +142,7 @@ class Bench:
                 weights = json.loads(self.args.sft_task_weights)
                 if set(weights) != set(tasks):
                     raise SystemExit(f"--sft-task-weights names {sorted(weights)}, the tasks are {sorted(tasks)}")
-                cmd.append(f"--controller.tasks={json.dumps(weights)}")
+                cmd.append(f"--run.tasks={json.dumps(weights)}")
             self.results["runs"][name] = run_cmd(cmd, self.out / f"{name}.log", self.limit_s) | {"tasks": tasks}
             self.save()
         model = self.out / name / "model"
@@ -180,21 +181,26 @@ class Bench:
 
         cross = [f"--rollout.cross_policy_prob={self.args.cross_policy_prob}",
                  f"--rollout.stale_every={self.args.stale_every}"]
+        stale = self.args.stale_engines
+        if self.args.adapter_versions > 0:  # older LoRA versions in the replica's own engine: no second model
+            cross += [f"--rollout.adapter_versions={self.args.adapter_versions}",
+                      f"--rollout.cross_policy_base={str(self.args.cross_policy_base).lower()}"]
+            stale = 0
         plan: list[tuple[str, list[str], list[str], int]] = []
         for v in self.args.variants:
             if v == "full":
-                plan.append(("full", tasks, ["--trainer.task_norm=scale", *cross], self.args.stale_engines))
+                plan.append(("full", tasks, ["--trainer.task_norm=scale", *cross], stale))
             elif v == "no_task_norm":
-                plan.append(("no_task_norm", tasks, ["--trainer.task_norm=off", *cross], self.args.stale_engines))
+                plan.append(("no_task_norm", tasks, ["--trainer.task_norm=off", *cross], stale))
             elif v == "no_cross_policy":
                 plan.append(("no_cross_policy", tasks, ["--trainer.task_norm=scale",
-                                                        "--rollout.cross_policy_prob=0"], 0))
+                                                        "--rollout.cross_policy_prob=0", "--rollout.adapter_versions=0"], 0))
             elif v == "sampler":
                 plan.append(("sampler", tasks, ["--trainer.task_norm=scale", "--controller.task_sampler=learnability",
-                                                *cross], self.args.stale_engines))
+                                                *cross], stale))
             elif v == "experts":
                 for t in tasks:
-                    plan.append((f"expert-{t}", [t], ["--trainer.task_norm=scale", *cross], self.args.stale_engines))
+                    plan.append((f"expert-{t}", [t], ["--trainer.task_norm=scale", *cross], stale))
         for name, run_tasks, extra, stale in track(plan, "learning benchmark variants", unit="variants"):
             final = self.rl(name, warm, run_tasks, extra, stale)
             if final is not None:
@@ -405,7 +411,13 @@ def main(argv: list[str] | None = None) -> int:
                    help="RL draws from the first N training tasks of each task type (0 = all); probes still use "
                         "the eval split. Few tasks, each seen several times, is how the quickstart learns in minutes")
     p.add_argument("--rollouts", type=int, default=1, help="rollout replicas (RL and eval)")
-    p.add_argument("--stale-engines", type=int, default=1, help="stale pool engines (variants with cross-policy)")
+    p.add_argument("--adapter-versions", type=int, default=2,
+                   help="cross-policy variants: LoRA versions the rollout engine holds (rollout.adapter_versions: "
+                        "the current one and older ones, one engine, no extra cores); 0 = stale pool engines instead")
+    p.add_argument("--cross-policy-base", action="store_true",
+                   help="with --adapter-versions: cross-policy turns may also play the base model (version 0)")
+    p.add_argument("--stale-engines", type=int, default=1,
+                   help="stale pool engines (variants with cross-policy, --adapter-versions 0 only)")
     p.add_argument("--cross-policy-prob", type=float, default=0.25)
     p.add_argument("--stale-every", type=int, default=10)
     p.add_argument("--eval-splits", default="test", help="comma list of splits to evaluate (test, train)")

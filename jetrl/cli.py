@@ -92,7 +92,7 @@ def _main(argv: list[str]) -> int:
             p.add_argument("--engine", default=None, help="rollout.engine: continuous | hf | vllm | openai")
             p.add_argument("--base-url", default=None, help="openai engine: the server, e.g. http://host:8001/v1")
             p.add_argument("--model", default=None, help="openai engine: the model name the server knows")
-            p.add_argument("--suite", default=None, help="one task alone instead of controller.tasks (an "
+            p.add_argument("--suite", default=None, help="one task alone instead of run.tasks (an "
                                                           "eval-only benchmark task)")
     serve = sub.add_parser("serve", help="the policy over the OpenAI chat-completions API, following weight "
                                          "broadcasts (--config of a running training run)")
@@ -144,7 +144,7 @@ def _main(argv: list[str]) -> int:
     secrets_cmd.add_argument("--prefix", default="jetrl", help="the run's JETRL__NATS__PREFIX: the users' "
                                                                "permissions name it")
     schema = sub.add_parser("schema", help="the message schemas (JSON Schema) and the env protocol's field "
-                                           "tables, from shared/messages.py; --check: fail if out of date")
+                                           "tables, from shared/messages/; --check: fail if out of date")
     add_schema_arguments(schema)
     add_export_arguments(sub.add_parser("export", help="a run's trajectories as a dataset file (Parquet or JSONL, "
                                                       "the Hugging Face chat format), filtered"))

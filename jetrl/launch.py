@@ -43,11 +43,11 @@ def eval_overrides(args: argparse.Namespace) -> list[str]:
     if getattr(args, "engine", None):
         out.append(f"rollout.engine={args.engine}")
     if getattr(args, "base_url", None):
-        out.append(f"rollout.openai_base_url={args.base_url}")
+        out.append(f"rollout.openai.base_url={args.base_url}")
     if getattr(args, "model", None):
-        out.append(f"rollout.openai_model={args.model}")
+        out.append(f"rollout.openai.model={args.model}")
     if getattr(args, "suite", None):
-        out.append('controller.tasks={"' + args.suite + '": 1.0}')
+        out.append('run.tasks={"' + args.suite + '": 1.0}')
     return out
 
 
@@ -56,7 +56,7 @@ async def declare_as_admin(cfg: JetRLConfig) -> None:
     nc = await connect(cfg.nats, "jetrl-up-admin", role="admin")
     try:
         js, subjects = nc.jetstream(), Subjects(cfg.nats.prefix)
-        await declare_topology(js, subjects, cfg.nats, cfg.controller.heartbeat_ttl_s, role="admin")
+        await declare_topology(js, subjects, cfg.nats, role="admin")
         await declare_durables(js, subjects, cfg)
     finally:
         await nc.close()
@@ -69,7 +69,7 @@ def launch(args: argparse.Namespace, overrides: list[str], mode: str = "up") -> 
     if data is not None:
         print(f"jetrl sft: {describe_dataset(data, cfg)}", flush=True)
     trainer_command(getattr(args, "trainer_ranks", 1), cfg.trainer.torch_threads)  # a bad --trainer-ranks: say so first
-    sources = {task: find_task(task, cfg.env) for task, share in cfg.controller.tasks.items() if share > 0}
+    sources = {task: find_task(task, cfg.env) for task, share in cfg.run.tasks.items() if share > 0}
     command_dir = str(Path(args.config).resolve().parent) if args.config else os.getcwd()
     run_dir = Path(cfg.run.dir).resolve()
     try:  # a run still running there (or its orphaned nats-server): neither renamed nor served twice
@@ -162,7 +162,7 @@ def launch(args: argparse.Namespace, overrides: list[str], mode: str = "up") -> 
 def replica_services(cfg: JetRLConfig, args: argparse.Namespace) -> list[str]:
     """The services `jetrl up` may start several of: each gets a NATS user of its own (shared.auth.replica_user),
     so no replica reads another's replies or writes another's registry key."""
-    envs = [f"env-{task}-{i}" for task, share in cfg.controller.tasks.items() if share > 0
+    envs = [f"env-{task}-{i}" for task, share in cfg.run.tasks.items() if share > 0
             for i in range(getattr(args, "env_replicas", 1))]
     return [*envs, *(f"rollout-{i}" for i in range(getattr(args, "rollouts", 1))),
             *(f"stale-{i}" for i in range(getattr(args, "stale_engines", 0)))]

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from jetrl.errors import CliError
 from shared.config import ConfigError, JetRLConfig
+from shared.config.rollout import ENGINES_WITHOUT_MODEL
 from shared.tasks import UnknownTask, known_tasks
 
 NATS_FILE_KEYS = ("creds_file", "password_file", "tls_ca", "tls_cert", "tls_key")
@@ -37,10 +38,10 @@ def check_config(cfg: JetRLConfig, serving: bool = False) -> list[str]:
     """Every problem found, one line each; empty when the run may start. ``serving``: ``jetrl serve``,
     which plays no tasks."""
     problems: list[str] = []
-    tasks = [t for t, share in cfg.controller.tasks.items() if share > 0]
+    tasks = [t for t, share in cfg.run.tasks.items() if share > 0]
     if not serving:
         problems += check_tasks(cfg, tasks)
-    if cfg.rollout.engine not in ("oracle", "openai") or not serving:
+    if cfg.rollout.engine not in ENGINES_WITHOUT_MODEL or not serving:
         problems += check_model(cfg.model.name)
     for key in NATS_FILE_KEYS:
         problems += _missing(f"nats.{key}", getattr(cfg.nats, key))
@@ -53,14 +54,14 @@ def check_tasks(cfg: JetRLConfig, tasks: list[str]) -> list[str]:
     files its settings name (fields declared with ``opt(..., path=True)``) are there."""
     known = known_tasks(cfg.env)
     if not tasks:
-        return [f"controller.tasks: no task to run: name the task mix, e.g. --controller.tasks='{{\"TASK\": 1}}' "
-                f"or [controller] tasks = {{ TASK = 1.0 }} (known: {', '.join(known) or 'none'})"]
+        return [f"run.tasks: no task to run: name the task mix, e.g. --run.tasks='{{\"TASK\": 1}}' "
+                f"or [run] tasks = {{ TASK = 1.0 }} (known: {', '.join(known) or 'none'})"]
     problems = []
     if cfg.env.factory:
         problems.append("env.factory names the make_env of one env replica (python -m services.envs TASK "
                         "--env.factory=...); a run names each task's: [env.<task>] factory = ...")
     for task in [*tasks, *sorted(set(cfg.env.sections) - set(tasks))]:
-        where = "controller.tasks" if task in tasks else f"env.{task}"
+        where = "run.tasks" if task in tasks else f"env.{task}"
         try:
             settings = cfg.env.section(task)
         except UnknownTask:

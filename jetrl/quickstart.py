@@ -10,7 +10,7 @@
    task's success on the episodes it trained on (2 groups a step: noisy, the probes are the measure).
 4. **Probe of the result**, the same tasks and samples, and a summary per task: success before -> after,
    with 95 % bootstrap intervals over the tasks, and the well-formed tool-call rate. Everything is also
-   written to ``<run>/quickstart.json`` (``tests/test_learning.py`` asserts on it).
+   written to ``<run>/quickstart.json`` (``tests/system/test_learning.py`` asserts on it).
 
 The cache key is everything that shapes the warm start (model, tasks, env settings, tool format,
 warm-start settings, seed), so changing any of them builds a new one; ``--fresh`` rebuilds it anyway.
@@ -38,8 +38,8 @@ DEFAULT_PROBE_TASKS = 16  # when RL draws from every training task, the probe ta
 def warm_start_dir(cfg: JetRLConfig) -> Path:
     shaping: dict[str, Any] = {section: dataclasses.asdict(getattr(cfg, section)) for section in WARM_START_KEYS}
     # the mix's task settings as their tasks read them (typed, defaults filled in), however they were given
-    shaping["env"]["sections"] = {task: _plain(cfg.env.section(task)) for task in sorted(cfg.controller.tasks)}
-    shaping.update(tasks=cfg.controller.tasks, tool_format=cfg.rollout.tool_format, seed=cfg.run.seed,
+    shaping["env"]["sections"] = {task: _plain(cfg.env.section(task)) for task in sorted(cfg.run.tasks)}
+    shaping.update(tasks=cfg.run.tasks, tool_format=cfg.rollout.tool_format, seed=cfg.run.seed,
                    max_new_tokens=cfg.rollout.max_new_tokens, max_context=cfg.rollout.max_context_tokens)
     for key in ("cache_dir", "probe_samples"):  # where it is kept, and how it is probed, do not change it
         shaping["warmstart"].pop(key)

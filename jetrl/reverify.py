@@ -204,10 +204,10 @@ def cmd_reverify(args: argparse.Namespace, overrides: list[str]) -> int:
     out = Path(args.out) if args.out else run_dir / "reverify.jsonl"
     with open_run(run_dir, overrides) as access, tempfile.TemporaryDirectory(prefix="jetrl-reverify-") as scratch:
         cfg = load_config(run_dir / "config.toml", list(overrides))  # the env services: the run's config + overrides
-        tasks = [t for t, share in cfg.controller.tasks.items() if share > 0 and (not args.task or t in args.task)]
+        tasks = [t for t, share in cfg.run.tasks.items() if share > 0 and (not args.task or t in args.task)]
         cfg.run.dir = str(out.parent / "reverify")
         if not tasks:
-            raise CliError(f"no task to replay: the run's tasks are {', '.join(cfg.controller.tasks)}")
+            raise CliError(f"no task to replay: the run's tasks are {', '.join(cfg.run.tasks)}")
         server = EmbeddedNats(Path(scratch) / "nats")  # our own: a live run's env replicas are never used
         cfg.nats.url = server.start()
         cfg.nats.user = cfg.nats.password = cfg.nats.password_file = cfg.nats.creds_file = cfg.nats.auth_dir = ""

@@ -28,9 +28,10 @@ from nats.js.errors import NotFoundError
 
 from jetrl.dataset import Conversation, DatasetError, read_conversations
 from jetrl.errors import CliError
-from shared.bus import connect, publish_retrying
+from shared.bus import connect
 from shared.chat import tokenize_conversation
 from shared.config import JetRLConfig
+from shared.delivery import publish_retrying
 from shared.messages import BadMessage, EpisodeStatus, Trajectory, TurnInfo, encode
 from shared.subjects import Subjects
 

@@ -199,5 +199,5 @@ def spawn_env(sup: Supervisor, cfg: JetRLConfig, source: TaskSource, replica: in
     told = ExternalEnv(nats_url=cfg.nats.url, nats_user=user or credentials(cfg.nats, "env").user,
                        nats_password_file=str(Path(cfg.nats.auth_dir) / f"{user}.password") if user
                        else password_file(cfg.nats, "env"), nats_prefix=cfg.nats.prefix,
-                       task=source.task, replica_id=name, heartbeat_ttl_s=cfg.controller.heartbeat_ttl_s)
+                       task=source.task, replica_id=name, heartbeat_ttl_s=cfg.nats.heartbeat_ttl_s)
     sup.spawn(name, [], command=list(source.command), environ=told.environ(), cwd=cwd)

@@ -3,4 +3,4 @@
 .PHONY: test-bfcl
 
 test-bfcl: venv
-	$(BIN)/python -m pytest -q -ra -m bfcl_model tests/test_env_bfcl.py
+	$(BIN)/python -m pytest -q -ra -m bfcl_model tests/envs/test_env_bfcl.py

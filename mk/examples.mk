@@ -1,5 +1,5 @@
 # examples/ts-ledger: a JetRL env in TypeScript (docs/env-protocol.md). npm installs its packages into its own
-# node_modules (ignored by git) from package-lock.json, and tsc builds dist/; tests/test_ts_env.py runs this
+# node_modules (ignored by git) from package-lock.json, and tsc builds dist/; tests/envs/test_ts_env.py runs this
 # target first and skips, saying why, where node or npm is missing.
 TS_LEDGER := examples/ts-ledger
 
@@ -15,7 +15,7 @@ $(TS_LEDGER)/dist/main.js: $(TS_LEDGER)/node_modules/.package-lock.json $(TS_LED
 	touch $@
 
 # examples/readers: outside readers of a run's streams (Python and Node, as the observer). npm installs the
-# Node one's two packages from package-lock.json; tests/test_readers.py runs this target and skips without node.
+# Node one's two packages from package-lock.json; tests/cli/test_readers.py runs this target and skips without node.
 READERS := examples/readers
 
 .PHONY: setup-readers

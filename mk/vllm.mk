@@ -22,7 +22,7 @@ $(VLLM_STAMP):
 venv-vllm: $(VLLM_STAMP)
 
 test-vllm: venv-vllm
-	JETRL_TEST_VLLM=1 $(VLLM_BIN)/python -m pytest -q -ra -p no:cacheprovider tests/test_scale_out_vllm.py
+	JETRL_TEST_VLLM=1 $(VLLM_BIN)/python -m pytest -q -ra -p no:cacheprovider tests/rollout/test_scale_out_vllm.py
 
 bench-weights: venv
 	$(BIN)/python bench/bench_weights.py
@@ -46,7 +46,7 @@ $(DS_STAMP): $(STAMP)
 venv-deepspeed: $(DS_STAMP)
 
 test-deepspeed: venv-deepspeed
-	JETRL_TEST_DEEPSPEED=1 DS_BUILD_OPS=0 $(BIN)/python -m pytest -q -ra tests/test_scale_out_deepspeed.py
+	JETRL_TEST_DEEPSPEED=1 DS_BUILD_OPS=0 $(BIN)/python -m pytest -q -ra tests/trainer/test_scale_out_deepspeed.py
 
 bench-trainer-ranks: venv-deepspeed
 	DS_BUILD_OPS=0 $(BIN)/python bench/bench_trainer_ranks.py

@@ -212,7 +212,7 @@ async def services(name: str, path: Path, zero_stage: int) -> dict:
                                      f"--rollout.torch_threads={SIZES['threads']}", "--rollout.serve_pool=false"],
                          logs, env),
         "trainer": spawn("trainer", ["services.trainer", *common, "--trainer.backend=deepspeed",
-                                     f"--trainer.zero_stage={zero_stage}", f"--trainer.steps={SIZES['steps']}",
+                                     f"--trainer.deepspeed.zero_stage={zero_stage}", f"--trainer.steps={SIZES['steps']}",
                                      f"--trainer.min_groups={SIZES['groups']}", f"--trainer.max_groups={SIZES['groups']}",
                                      "--trainer.checkpoint_every=0", "--trainer.lr=1e-5",
                                      f"--trainer.torch_threads={SIZES['threads']}"], logs, env),

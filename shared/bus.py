@@ -1,72 +1,49 @@
-"""NATS plumbing every role shares: connect, declare the JetStream topology, dead-letter, heartbeat,
-metrics. The names come from ``shared.subjects``; the payloads from ``shared.messages``.
+"""NATS plumbing every role shares: connect, declare the JetStream topology, heartbeat, metrics. The names
+come from ``shared.subjects``; the payloads from ``shared.messages``. Retries, acks and dead letters are
+``shared.delivery``; reading an object-store object is ``shared.objectread.read_object``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
 import dataclasses
 import os
 import socket
 import ssl
 import time
-import uuid
 import weakref
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
 import nats
 import structlog
 from nats.aio.client import Client
-from nats.aio.msg import Msg
-from nats.errors import ConnectionReconnectingError, MsgAlreadyAckdError, NoRespondersError, OutboundBufferLimitError
-from nats.errors import TimeoutError as NatsTimeout
 from nats.js import JetStreamContext
 from nats.js.api import (
-    AckPolicy,
-    ConsumerConfig,
-    DeliverPolicy,
     DiscardPolicy,
     KeyValueConfig,
     ObjectStoreConfig,
-    PubAck,
     RetentionPolicy,
     StorageType,
     StreamConfig,
 )
-from nats.js.errors import (
-    BadRequestError,
-    KeyWrongLastSequenceError,
-    NoStreamResponseError,
-    NotFoundError,
-    ServiceUnavailableError,
-)
+from nats.js.errors import BadRequestError, KeyWrongLastSequenceError, NotFoundError
 from nats.js.kv import KeyValue
 from nats.js.object_store import ObjectStore
 
 from shared.auth import credentials, manages_topology, replica_users, user_role
 from shared.config import NatsConfig
-from shared.digest import new_hasher, split_digest
-from shared.lifecycle import supervise
-from shared.messages import MAX_MESSAGE_BYTES, BadMessage, DeadLetter, Heartbeat, M, MetricsReport, decode, encode, now
-from shared.objectread import ChunkPlan, ObjectReadError, missing_internals, read_chunks
+from shared.messages import MAX_MESSAGE_BYTES, Heartbeat, MetricsReport, encode, now
 from shared.subjects import Subjects, role_family
 
 log = structlog.get_logger()
 
 DAY_S = 24 * 3600.0
-DEAD_LETTER_PAYLOAD_BYTES = 64 * 1024
-"""A dead letter keeps this much of the message it refused (``nats.dlq_max_per_origin`` letters a service)."""
 
 # When each client last got its connection back (see ``since_reconnect``).
 _RECONNECTED_AT: weakref.WeakKeyDictionary[Client, float] = weakref.WeakKeyDictionary()
 # What to call when a client gets its connection back (see ``on_reconnect``).
 _RECONNECT_LISTENERS: weakref.WeakKeyDictionary[Client, list[Callable[[], None]]] = weakref.WeakKeyDictionary()
-
-# What a publish or request may raise while the server restarts or the client reconnects: worth a retry.
-TRANSIENT = (NatsTimeout, TimeoutError, NoRespondersError, NoStreamResponseError, ServiceUnavailableError,
-             OutboundBufferLimitError, ConnectionReconnectingError)
 
 
 async def connect(cfg: NatsConfig, name: str, url: str | None = None, role: str | None = None) -> Client:
@@ -158,101 +135,6 @@ def connection_disrupted(nc: Client, reconnects_before: int, grace_s: float = 15
             or since_reconnect(nc) < grace_s)
 
 
-async def publish_retrying(js: JetStreamContext, subject: str, payload: bytes, *, headers: dict[str, str] | None = None,
-                           retry_s: float = 120.0, timeout_s: float = 5.0) -> PubAck:
-    """A JetStream publish that survives a server restart: transient failures (no PubAck in time, no
-    stream responders, JetStream not ready, reconnecting) are retried with backoff for ``retry_s``.
-    Give a ``Nats-Msg-Id`` header: a retry whose first try did land is then dropped by the stream's
-    duplicate window instead of being stored twice."""
-    deadline = time.monotonic() + retry_s
-    delay = 0.25
-    tries = 0
-    while True:
-        tries += 1
-        try:
-            return await js.publish(subject, payload, headers=headers, timeout=timeout_s)
-        except TRANSIENT as exc:
-            if time.monotonic() + delay > deadline:
-                log.error("publish_gave_up", subject=subject, tries=tries, error=repr(exc))
-                raise
-            log.warning("publish_retry", subject=subject, attempt=tries, error=type(exc).__name__)
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 2.0)
-
-
-async def retrying(what: str, call: Any, retry_s: float = 60.0) -> Any:
-    """Await ``call()`` (an ack, a KV write...), retrying transient failures for ``retry_s``."""
-    deadline = time.monotonic() + retry_s
-    delay = 0.25
-    while True:
-        try:
-            return await call()
-        except TRANSIENT as exc:
-            if time.monotonic() + delay > deadline:
-                raise
-            log.warning("nats_retry", what=what, error=type(exc).__name__)
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 2.0)
-
-
-class Acker:
-    """Acks JetStream messages in the background, each confirmed by the server (``ack_sync``) and retried on
-    a transient failure (no confirmation in time: a busy event loop or server; reconnecting) with backoff
-    for ``retry_s``. The caller goes on at once, and a message whose result is stored is acked even across
-    a server restart. Nothing raises out of it (an ack repeated after one that did land is confirmed
-    again); one given up is logged and counted, and its message is redelivered after its ack wait, which
-    its consumer must deduplicate."""
-
-    def __init__(self, what: str, timeout_s: float = 5.0, retry_s: float = 600.0) -> None:
-        self.what, self.timeout_s, self.retry_s = what, timeout_s, retry_s
-        self.pending: set[asyncio.Task[bool]] = set()
-        self.acked = 0
-        self.retries = 0
-        self.given_up = 0
-
-    def ack(self, msg: Msg, **context: Any) -> asyncio.Task[bool]:
-        """Start acking ``msg``; the task's result says whether the server confirmed it."""
-        task = supervise(self._ack(msg, context), f"{self.what}_ack", None)
-        self.pending.add(task)
-        task.add_done_callback(self.pending.discard)
-        return task
-
-    async def _ack(self, msg: Msg, context: dict[str, Any]) -> bool:
-        deadline = time.monotonic() + self.retry_s
-        delay = 0.25
-        tries = 0
-        while True:
-            tries += 1
-            try:
-                await msg.ack_sync(timeout=self.timeout_s)
-            except MsgAlreadyAckdError:
-                pass
-            except TRANSIENT as exc:
-                if time.monotonic() + delay > deadline:
-                    self.given_up += 1
-                    log.error("ack_gave_up", what=self.what, tries=tries, error=repr(exc), **context)
-                    return False
-                self.retries += 1
-                log.info("ack_retry", what=self.what, attempt=tries, error=type(exc).__name__, **context)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 5.0)
-                continue
-            except Exception as exc:  # the connection is closed for good: the message comes back after its ack wait
-                self.given_up += 1
-                log.warning("ack_failed", what=self.what, tries=tries, error=repr(exc), **context)
-                return False
-            self.acked += 1
-            return True
-
-    async def drain(self, timeout_s: float = 5.0) -> None:
-        """On shutdown: let the acks under way finish (up to ``timeout_s``), then stop the rest."""
-        if self.pending:
-            await asyncio.wait(set(self.pending), timeout=timeout_s)
-        for task in list(self.pending):
-            task.cancel()
-        await asyncio.gather(*self.pending, return_exceptions=True)
-
-
 async def _ensure_stream(js: JetStreamContext, config: StreamConfig) -> None:
     try:
         await js.add_stream(config)
@@ -262,8 +144,7 @@ async def _ensure_stream(js: JetStreamContext, config: StreamConfig) -> None:
 
 
 async def declare_topology(js: JetStreamContext, subjects: Subjects, cfg: NatsConfig,
-                           heartbeat_ttl_s: float = 10.0, role: str | None = None,
-                           wait_s: float = 120.0) -> None:
+                           role: str | None = None, wait_s: float = 120.0) -> None:
     """Create (or update) every stream and bucket. Idempotent: every role calls it at start-up. A role
     user of an authenticated server may not create streams (``shared.auth``): it waits for the admin
     (``jetrl up``, compose's ``topology`` service) to have declared them."""
@@ -299,7 +180,7 @@ async def declare_topology(js: JetStreamContext, subjects: Subjects, cfg: NatsCo
     for kv_config in (
         KeyValueConfig(bucket=subjects.policy_kv, history=16, replicas=replicas,
                        description="latest published policy version"),
-        KeyValueConfig(bucket=subjects.registry_kv, history=1, ttl=heartbeat_ttl_s, replicas=replicas,
+        KeyValueConfig(bucket=subjects.registry_kv, history=1, ttl=cfg.heartbeat_ttl_s, replicas=replicas,
                        description="live replicas; a key expires when its heartbeats stop"),
     ):
         try:
@@ -349,61 +230,6 @@ async def weights_store(js: JetStreamContext, subjects: Subjects) -> ObjectStore
     return await js.object_store(subjects.weights_bucket)
 
 
-async def dead_letter(js: JetStreamContext, subjects: Subjects, *, service: str, origin_subject: str,
-                      reason: str, payload: bytes) -> None:
-    """Keep a message we could not accept, with why. Never raises: a DLQ failure is only logged."""
-    log.warning("dead_letter", origin_subject=origin_subject, reason=reason[:500], size=len(payload))
-    if len(payload) > DEAD_LETTER_PAYLOAD_BYTES:  # the DLQ's bound is per service in letters: keep letters small
-        reason = f"{reason} (payload: its first {DEAD_LETTER_PAYLOAD_BYTES} of {len(payload)} bytes)"
-    letter = DeadLetter(origin_subject=origin_subject, reason=reason[:4096],
-                        payload=payload[:DEAD_LETTER_PAYLOAD_BYTES], service=service)
-    try:
-        await js.publish(subjects.dead_letter(service), encode(letter))
-    except Exception as exc:  # the broker may be down; the log line above is the record then
-        log.error("dead_letter_failed", error=repr(exc))
-
-
-async def decode_or_dead_letter(js: JetStreamContext, subjects: Subjects, service: str, msg: Msg,
-                                cls: type[M]) -> M | None:
-    """Decode a stream message; one that cannot be accepted is dead-lettered and terminated (never
-    redelivered), and None comes back. The consumer's rule at every JetStream boundary."""
-    try:
-        return decode(msg.data, cls)
-    except BadMessage as exc:
-        await dead_letter(js, subjects, service=service, origin_subject=msg.subject, reason=exc.reason,
-                          payload=msg.data)
-        await term_quietly(msg)
-        return None
-
-
-async def term_quietly(msg: Msg) -> None:
-    """Terminate a message we will never take; a broker that is away then redelivers it, to be refused again."""
-    try:
-        await msg.term()
-    except Exception as exc:
-        log.warning("term_failed", subject=msg.subject, error=repr(exc))
-
-
-async def judge_each(js: JetStreamContext, subjects: Subjects, service: str, msgs: list[Msg],
-                     take: Callable[[Msg], Awaitable[object]]) -> None:
-    """Hand each fetched message to ``take`` on its own, so one bad message never costs the batch around it
-    (the rest would come back until their last delivery and be lost). A message whose ``take`` raises is
-    dead-lettered with the reason and terminated; a broker that is away (``TRANSIENT``) leaves it to be
-    redelivered instead: nothing valid is dead-lettered for the broker's sake."""
-    for msg in msgs:
-        try:
-            await take(msg)
-        except asyncio.CancelledError:
-            raise
-        except TRANSIENT as exc:
-            log.warning("message_left_for_redelivery", subject=msg.subject, error=repr(exc))
-        except Exception as exc:
-            log.exception("message_refused", subject=msg.subject)
-            await dead_letter(js, subjects, service=service, origin_subject=msg.subject,
-                              reason=f"{service} failed on it: {type(exc).__name__}: {exc}"[:2000], payload=msg.data)
-            await term_quietly(msg)
-
-
 async def publish_metrics(nc: Client, subjects: Subjects, role: str, replica_id: str, step: int,
                           values: dict[str, float]) -> None:
     await nc.publish(subjects.metrics(role), encode(MetricsReport(role=role, replica_id=replica_id, step=step,
@@ -432,7 +258,7 @@ async def claim_replica_user(cfg: NatsConfig, service: str, subjects: Subjects, 
     Compose's ``--scale`` starts identical containers with no index of their own, so each claims a user here:
     as that user (only it may write that key, shared/auth.py) it creates its registry key, which the server
     creates only where none is live. The claim is its first heartbeat; its key expires with its heartbeats
-    (``controller.heartbeat_ttl_s``), so a restarted container takes a free user, or this one once the old key
+    (``nats.heartbeat_ttl_s``), so a restarted container takes a free user, or this one once the old key
     expired. Waits up to ``wait_s`` for the topology (the admin declares the registry) or a free user."""
     users = replica_users(cfg.user, len(cfg.replica_passwords))
     deadline = time.monotonic() + wait_s
@@ -477,80 +303,3 @@ async def heartbeat_loop(js: JetStreamContext, subjects: Subjects, role: str, re
         except Exception as exc:
             log.warning("heartbeat_failed", error=repr(exc))
         await asyncio.sleep(every_s)
-
-
-_slow_read_warned = False  # the fallback below says why once per process, not at every version
-
-
-def _warn_slow_object_read(missing: list[str]) -> None:
-    global _slow_read_warned
-    if not _slow_read_warned:
-        _slow_read_warned = True
-        log.warning("object_read_fallback", missing=missing, hint="this nats-py lacks what shared.objectread reads "
-                    "of its insides: objects are read through ObjectStore.get (slower); pin nats-py to a tested "
-                    "version (pyproject.toml) or update shared/objectread.py")
-
-
-async def read_object(js: JetStreamContext, bucket: str, name: str, window_bytes: int = 32 * 1024**2,
-                      expected_digest: str | None = None, into: bytearray | None = None) -> bytearray:
-    """Read a whole object-store object fast, into one buffer, checked by one hash pass.
-
-    nats-py's ``ObjectStore.get`` grows one ``bytes`` by concatenation over a flow-controlled push consumer
-    (~12 MB/s for 25 MB here). This makes an ack-less ephemeral pull consumer on the object's chunks and
-    reads them on a connection of its own (``shared.objectread``): each chunk's payload goes from the socket
-    straight into its place in a buffer of the object's size, with no copy in between
-    (``shared.model.weights_from_buffer`` makes tensors that are views into it). Each chunk is hashed as it
-    arrives: against ``expected_digest`` (``algorithm:hex``, e.g. a ``WeightsAnnouncement``'s BLAKE3) when
-    given, else against the SHA-256 the store recorded, never both. The pull requests in flight ask for
-    at most ``window_bytes`` together: the server drops a client with more than 64 MiB undelivered (slow
-    consumer), and weights are bigger.
-
-    ``into``: a buffer to fill instead of a new one when it has the object's size (the previous version's,
-    which nothing may use any more). Fresh memory costs a page fault per 4 KiB on first write: about 0.4 s
-    of CPU for 651 MB here, a third of the read.
-
-    The fast read uses some of nats-py's private attributes (``shared.objectread.missing_internals``); with a
-    nats-py that lacks them it warns once and reads through ``ObjectStore.get``, checked the same way."""
-    store = await js.object_store(bucket)
-    info = await store.get_info(name)
-    if not info.nuid:
-        raise ValueError(f"object {name!r} in {bucket!r} has no data")
-    if expected_digest is not None:
-        algorithm, want = split_digest(expected_digest)
-    elif info.digest:
-        algorithm, want = "sha256", base64.urlsafe_b64decode(info.digest.split("=", 1)[1]).hex()
-    else:
-        algorithm, want = "sha256", None
-    hasher = new_hasher(algorithm)
-    buf = into if into is not None and len(into) == info.size else bytearray(info.size)
-    missing = missing_internals(js)
-    if info.size and missing:  # a nats-py without what the fast reader uses: its own (slower) read
-        _warn_slow_object_read(missing)
-        data = (await store.get(name)).data or b""
-        if len(data) != info.size:
-            raise ValueError(f"object {name!r}: got {len(data)} bytes of {info.size}")
-        buf[:] = data
-        hasher.update(buf)
-    elif info.size:
-        stream, subject = Subjects.object_stream(bucket), Subjects.object_chunks(bucket, info.nuid)
-        # named: the API subject then carries the consumer's name and filter, which is all a reader's permission
-        # allows (CONSUMER.CREATE.<stream>.*.<chunks>, shared/auth.py), so it can touch no other consumer
-        consumer = await js.add_consumer(stream, ConsumerConfig(
-            name=uuid.uuid4().hex, ack_policy=AckPolicy.NONE, deliver_policy=DeliverPolicy.ALL, filter_subject=subject,
-            inactive_threshold=30.0, mem_storage=True, num_replicas=1))
-        plan = ChunkPlan(api_prefix=js._prefix, stream=stream, consumer=consumer.name, subject=subject,
-                         chunks=info.chunks, size=info.size, window_bytes=window_bytes)
-        try:
-            filled = await read_chunks(js._nc, plan, buf, hasher)
-        except ObjectReadError as exc:
-            raise ValueError(f"object {name!r}: {exc}") from None
-        finally:
-            try:  # the server would drop it after inactive_threshold anyway
-                await js.delete_consumer(stream, consumer.name)
-            except Exception as exc:
-                log.debug("object_read_consumer_delete", error=repr(exc))
-        if filled != info.size:
-            raise ValueError(f"object {name!r}: got {filled} bytes of {info.size}")
-    if want is not None and hasher.hexdigest() != want:
-        raise ValueError(f"object {name!r}: {algorithm} digest mismatch ({hasher.hexdigest()} != {want})")
-    return buf

@@ -31,7 +31,7 @@ def job_lanes(cfg: RolloutConfig, tasks: Sequence[str]) -> dict[str, int]:
     if not caps:
         return {">": cfg.concurrency}
     if not tasks:
-        raise ValueError("rollout.task_concurrency needs the run's tasks (controller.tasks)")
+        raise ValueError("rollout.task_concurrency needs the run's tasks (run.tasks)")
     return {task: caps.get(task, caps.get("*", cfg.concurrency)) for task in tasks}
 
 
@@ -61,7 +61,7 @@ def controller_consumer(subjects: Subjects) -> ConsumerConfig:
 
 def run_durables(subjects: Subjects, cfg: JetRLConfig) -> list[tuple[str, ConsumerConfig]]:
     """(stream, config) of every durable the run's config asks for."""
-    lanes = job_lanes(cfg.rollout, list(cfg.controller.tasks))  # as each rollout replica computes them
+    lanes = job_lanes(cfg.rollout, list(cfg.run.tasks))  # as each rollout replica computes them
     jobs = [(subjects.jobs_stream, job_consumer(subjects, cfg.rollout, lane)) for lane in lanes]
     return [*jobs, (subjects.traj_stream, trainer_consumer(subjects, cfg.trainer)),
             (subjects.traj_stream, controller_consumer(subjects))]

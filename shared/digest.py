@@ -1,7 +1,7 @@
 """The digest that proves a replica got the trainer's weights: ``algorithm:hex``, checked in one pass.
 
 The trainer writes it into the ``WeightsAnnouncement`` (the policy KV only the trainer may write,
-``shared.auth``); a replica hashes the object's chunks as they arrive (``shared.bus.read_object``) and refuses
+``shared.auth``); a replica hashes the object's chunks as they arrive (``shared.objectread.read_object``) and refuses
 weights whose digest differs. BLAKE3 (~5 GB/s on one core here, SHA-256 ~1 GB/s with SHA-NI) keeps the check
 cryptographic at a fraction of the cost; SHA-256 is still read (an older trainer's announcements, and the
 digest the object store records).

@@ -1,7 +1,7 @@
 """A container healthcheck for every role: ``python -m shared.healthcheck [--http URL] [--config FILE]``.
 
 Healthy when this host (the container) has a replica in the registry KV whose last heartbeat is
-younger than ``controller.heartbeat_ttl_s``: the process is alive, its event loop turns, and it
+younger than ``nats.heartbeat_ttl_s``: the process is alive, its event loop turns, and it
 reaches NATS. ``--http URL`` also needs ``GET URL`` to answer 200 (the controller's /status).
 Exit status 0 = healthy, 1 = not (the reason on stderr). NATS settings come from the config file and
 the ``JETRL__`` environment, as for the service itself.
@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--http", default=None, help="also GET this URL and expect 200")
     ap.add_argument("--host", default=socket.gethostname(), help="the host whose replicas count (default: this one)")
     args = ap.parse_args(argv)
-    ttl = load_config(args.config).controller.heartbeat_ttl_s
+    ttl = load_config(args.config).nats.heartbeat_ttl_s
     try:
         ages = asyncio.run(asyncio.wait_for(registry_ages(args.config, args.host), timeout=8.0))
     except Exception as exc:

@@ -29,6 +29,10 @@ SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 """``attend(layer_index, q [N, heads, d], k [N, kv_heads, d], v [N, kv_heads, d]) -> [N, heads * d]``"""
 
+Correct = Callable[[int, str, torch.Tensor, torch.Tensor], torch.Tensor]
+"""``correct(layer_index, projection, x, out) -> out``: the fused projections' outputs (``qkv``, ``o``,
+``gate_up``, ``down``) adjusted row by row, e.g. per-row LoRA versions (services/rollout/adapters.py)."""
+
 
 class PackedLM:
     """A view of an HF causal LM (or a PEFT model around one) that runs packed token batches."""
@@ -51,8 +55,10 @@ class PackedLM:
         self.scale = self.head_dim ** -0.5
         self.dtype = next(base.parameters()).dtype
 
-    def hidden(self, ids: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
-        """Final-norm hidden states ``[N, hidden]`` of packed tokens ``ids [N]`` at ``positions [N]``."""
+    def hidden(self, ids: torch.Tensor, positions: torch.Tensor, attend: Attend,
+               correct: Correct | None = None) -> torch.Tensor:
+        """Final-norm hidden states ``[N, hidden]`` of packed tokens ``ids [N]`` at ``positions [N]``.
+        ``correct`` (fused projections only: ``fuse_projections``) adjusts each projection's output."""
         n = ids.shape[0]
         x = self.decoder.embed_tokens(ids)
         cos, sin = self.decoder.rotary_emb(x[None], positions[None])  # the model's own rotary variant
@@ -65,9 +71,15 @@ class PackedLM:
             low = fused.low if fused is not None else None
             if low is not None:  # bf16 matrix units (cast_linear_weights): same layout, low-precision matmuls
                 qkv = _low_linear(h, low.qkv, fused.qkv_bias)
-                q, k, v = qkv.split((q_size, kv_size, kv_size), dim=-1)
             elif fused is not None:  # one matmul for q, k, v and one for gate, up (fuse_projections)
                 qkv = F.linear(h, fused.qkv_weight, fused.qkv_bias)
+            else:
+                if correct is not None:
+                    raise ValueError("per-row projection corrections need fused projections (fuse_projections)")
+                qkv = None
+            if qkv is not None:
+                if correct is not None:
+                    qkv = correct(i, "qkv", h, qkv)
                 q, k, v = qkv.split((q_size, kv_size, kv_size), dim=-1)
             else:
                 q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
@@ -76,19 +88,28 @@ class PackedLM:
             v = v.reshape(n, self.num_kv_heads, self.head_dim)
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
+            attended = attend(i, q, k, v)
             if low is not None:
-                x = x + _low_linear(attend(i, q, k, v), low.o, attn.o_proj.bias)
+                o = _low_linear(attended, low.o, attn.o_proj.bias)
             else:
-                x = x + attn.o_proj(attend(i, q, k, v))
+                o = attn.o_proj(attended)
+            if correct is not None:
+                o = correct(i, "o", attended, o)
+            x = x + o
             h = _rms_norm(layer.post_attention_layernorm, x)
-            if low is not None:
-                gate, up = _low_linear(h, low.gate_up).chunk(2, dim=-1)
-                x = x + _low_linear(layer.mlp.act_fn(gate) * up, low.down, layer.mlp.down_proj.bias)
-            elif fused is not None:
-                gate, up = F.linear(h, fused.gate_up_weight).chunk(2, dim=-1)
-                x = x + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
-            else:
+            if fused is None:
                 x = x + layer.mlp(h)
+                continue
+            gate_up = _low_linear(h, low.gate_up) if low is not None else F.linear(h, fused.gate_up_weight)
+            if correct is not None:
+                gate_up = correct(i, "gate_up", h, gate_up)
+            gate, up = gate_up.chunk(2, dim=-1)
+            inner = layer.mlp.act_fn(gate) * up
+            down = _low_linear(inner, low.down, layer.mlp.down_proj.bias) if low is not None else \
+                layer.mlp.down_proj(inner)
+            if correct is not None:
+                down = correct(i, "down", inner, down)
+            x = x + down
         return _rms_norm(self.decoder.norm, x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

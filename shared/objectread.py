@@ -1,6 +1,6 @@
 """Read an object-store object's chunks straight into one buffer, on a connection of its own.
 
-``shared.bus.read_object`` uses this for the weights broadcast. Through nats-py, every received byte is
+``read_object`` (at the end) reads the weights broadcast this way. Through nats-py, every received byte is
 copied six or seven times before it reaches the caller: the asyncio stream's buffer, a 32 KiB ``bytes`` per
 socket read, the protocol parser's buffer, a slice, the message's ``bytes``. The client process then costs
 more CPU than nats-server does, and on this project's 2-core machine it capped the read at 250-390 MB/s
@@ -18,24 +18,34 @@ more than 64 MiB undelivered (a slow consumer).
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import socket
 import ssl
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import ParseResult
 
+import structlog
 from nats.aio.client import Client
+from nats.js import JetStreamContext
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+from shared.digest import new_hasher, split_digest
+from shared.subjects import Subjects
+
+log = structlog.get_logger()
 
 _CRLF = b"\r\n"
 _SCRATCH_BYTES = 64 * 1024  # one socket read for protocol lines; payloads bypass it
 _PULL_EXPIRES_NS = 60 * 10**9  # a pull request the server has not filled by then answers 408
 
 
-# What of nats-py's insides this module reads (``endpoint_of``, ``_connect_line``; ``shared.bus`` the two of
+# What of nats-py's insides this module reads (``endpoint_of``, ``_connect_line``; ``read_object`` the two of
 # the JetStream context). Not its public API: ``missing_internals`` tells a version without them, and
-# ``shared.bus.read_object`` then reads through nats-py's own ``ObjectStore.get`` instead.
+# ``read_object`` then reads through nats-py's own ``ObjectStore.get`` instead.
 CLIENT_INTERNALS = ("_current_server", "_server_info", "_auth_configured", "_connect_command")
 JETSTREAM_INTERNALS = ("_prefix", "_nc")
 
@@ -295,3 +305,80 @@ async def read_chunks(nc: Client, plan: ChunkPlan, buf: bytearray, hasher: Any, 
         reader.close()
         await asyncio.gather(task, return_exceptions=True)
         raise
+
+
+_slow_read_warned = False  # the fallback below says why once per process, not at every version
+
+
+def _warn_slow_object_read(missing: list[str]) -> None:
+    global _slow_read_warned
+    if not _slow_read_warned:
+        _slow_read_warned = True
+        log.warning("object_read_fallback", missing=missing, hint="this nats-py lacks what shared.objectread reads "
+                    "of its insides: objects are read through ObjectStore.get (slower); pin nats-py to a tested "
+                    "version (pyproject.toml) or update shared/objectread.py")
+
+
+async def read_object(js: JetStreamContext, bucket: str, name: str, window_bytes: int = 32 * 1024**2,
+                      expected_digest: str | None = None, into: bytearray | None = None) -> bytearray:
+    """Read a whole object-store object fast, into one buffer, checked by one hash pass.
+
+    nats-py's ``ObjectStore.get`` grows one ``bytes`` by concatenation over a flow-controlled push consumer
+    (~12 MB/s for 25 MB here). This makes an ack-less ephemeral pull consumer on the object's chunks and
+    reads them on a connection of its own (``read_chunks`` above): each chunk's payload goes from the socket
+    straight into its place in a buffer of the object's size, with no copy in between
+    (``shared.model.weights_from_buffer`` makes tensors that are views into it). Each chunk is hashed as it
+    arrives: against ``expected_digest`` (``algorithm:hex``, e.g. a ``WeightsAnnouncement``'s BLAKE3) when
+    given, else against the SHA-256 the store recorded, never both. The pull requests in flight ask for
+    at most ``window_bytes`` together: the server drops a client with more than 64 MiB undelivered (slow
+    consumer), and weights are bigger.
+
+    ``into``: a buffer to fill instead of a new one when it has the object's size (the previous version's,
+    which nothing may use any more). Fresh memory costs a page fault per 4 KiB on first write: about 0.4 s
+    of CPU for 651 MB here, a third of the read.
+
+    The fast read uses some of nats-py's private attributes (``missing_internals``); with a
+    nats-py that lacks them it warns once and reads through ``ObjectStore.get``, checked the same way."""
+    store = await js.object_store(bucket)
+    info = await store.get_info(name)
+    if not info.nuid:
+        raise ValueError(f"object {name!r} in {bucket!r} has no data")
+    if expected_digest is not None:
+        algorithm, want = split_digest(expected_digest)
+    elif info.digest:
+        algorithm, want = "sha256", base64.urlsafe_b64decode(info.digest.split("=", 1)[1]).hex()
+    else:
+        algorithm, want = "sha256", None
+    hasher = new_hasher(algorithm)
+    buf = into if into is not None and len(into) == info.size else bytearray(info.size)
+    missing = missing_internals(js)
+    if info.size and missing:  # a nats-py without what the fast reader uses: its own (slower) read
+        _warn_slow_object_read(missing)
+        data = (await store.get(name)).data or b""
+        if len(data) != info.size:
+            raise ValueError(f"object {name!r}: got {len(data)} bytes of {info.size}")
+        buf[:] = data
+        hasher.update(buf)
+    elif info.size:
+        stream, subject = Subjects.object_stream(bucket), Subjects.object_chunks(bucket, info.nuid)
+        # named: the API subject then carries the consumer's name and filter, which is all a reader's permission
+        # allows (CONSUMER.CREATE.<stream>.*.<chunks>, shared/auth.py), so it can touch no other consumer
+        consumer = await js.add_consumer(stream, ConsumerConfig(
+            name=uuid.uuid4().hex, ack_policy=AckPolicy.NONE, deliver_policy=DeliverPolicy.ALL, filter_subject=subject,
+            inactive_threshold=30.0, mem_storage=True, num_replicas=1))
+        plan = ChunkPlan(api_prefix=js._prefix, stream=stream, consumer=consumer.name, subject=subject,
+                         chunks=info.chunks, size=info.size, window_bytes=window_bytes)
+        try:
+            filled = await read_chunks(js._nc, plan, buf, hasher)
+        except ObjectReadError as exc:
+            raise ValueError(f"object {name!r}: {exc}") from None
+        finally:
+            try:  # the server would drop it after inactive_threshold anyway
+                await js.delete_consumer(stream, consumer.name)
+            except Exception as exc:
+                log.debug("object_read_consumer_delete", error=repr(exc))
+        if filled != info.size:
+            raise ValueError(f"object {name!r}: got {filled} bytes of {info.size}")
+    if want is not None and hasher.hexdigest() != want:
+        raise ValueError(f"object {name!r}: {algorithm} digest mismatch ({hasher.hexdigest()} != {want})")
+    return buf

@@ -10,7 +10,7 @@ cancelled on the way out. An entry point reads::
         svc.heartbeat({"steps": ...})
         ...                                                   # start the service, then wait for svc.stop
 
-The skeleton lives beside shared/lifecycle.py, not in it: shared/bus.py uses lifecycle's ``supervise``,
+The skeleton lives beside shared/lifecycle.py, not in it: shared/delivery.py uses lifecycle's ``supervise``,
 and this module uses the bus."""
 
 from __future__ import annotations
@@ -77,8 +77,7 @@ class Service:
         self.stack.push_async_callback(close_connection, self.nc)
         self.background("connection_watch", stop_if_connection_closed(self.nc, self.stop), restart_s=None)
         self.js = self.nc.jetstream()
-        await declare_topology(self.js, self.subjects, self.cfg.nats, self.cfg.controller.heartbeat_ttl_s,
-                               role=self.role)
+        await declare_topology(self.js, self.subjects, self.cfg.nats, role=self.role)
 
     def background(self, name: str, job: Coroutine[Any, Any, Any] | Callable[[], Awaitable[Any]], *,
                    restart_s: float | None = 1.0) -> asyncio.Task[Any]:

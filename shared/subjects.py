@@ -203,7 +203,7 @@ class Subjects:
     # ---- object-store internals (NATS ADR-20), for readers that bypass nats-py's ObjectStore ----
     @staticmethod
     def object_stream(bucket: str) -> str:
-        """The stream behind an object-store bucket; ``shared.bus.read_object`` pulls chunks from it."""
+        """The stream behind an object-store bucket; ``shared.objectread.read_object`` pulls chunks from it."""
         return f"OBJ_{bucket}"
 
     @staticmethod

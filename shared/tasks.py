@@ -29,7 +29,8 @@ from dataclasses import dataclass
 from importlib.metadata import entry_points
 from typing import Any
 
-from shared.config import ConfigError, EnvConfig, _check_type, _keys, _parse_scalar
+from shared.config import ConfigError, EnvConfig
+from shared.config.fields import check_field, field_help, keys, parse_text
 
 ENTRY_POINT_GROUP = "jetrl.envs"
 """The entry-point group a package registers its tasks in: ``name = "package.module:make_env"``."""
@@ -139,8 +140,8 @@ def settings_class(source: TaskSource) -> type | None:
     cls = getattr(_module(source.factory, source.task), "Config", None)
     if cls is None or not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
         return None
-    generic = _keys(EnvConfig)
-    for key, hint in _keys(cls).items():
+    generic = keys(EnvConfig)
+    for key, hint in keys(cls).items():
         if key in RESERVED_KEYS:
             raise ConfigError(f"{cls.__module__}.Config: its key {key!r} is reserved in [env.{source.task}]")
         if key in generic and (key not in EnvConfig.TASK_OVERRIDES or hint != generic[key]):
@@ -152,20 +153,21 @@ def settings_class(source: TaskSource) -> type | None:
 def read_settings(cls: type, raw: dict[str, Any], task: str) -> Any:
     """``[env.<task>]`` (reserved keys left out) as an instance of ``cls``: an unknown key or a value of
     the wrong type is refused naming the key. Text (a flag, an env var) is read as the field's type."""
-    keys = _keys(cls)
+    hints = keys(cls)
+    declared = {f.name: f for f in dataclasses.fields(cls)}
     values: dict[str, Any] = {}
     for key, value in raw.items():
         if key in RESERVED_KEYS:
             continue
         dotted = f"env.{task}.{key}"
-        if key not in keys:
-            near = difflib.get_close_matches(key, list(keys), n=1, cutoff=0.6)
-            hint = f"did you mean env.{task}.{near[0]}?" if near else f"known: {', '.join(sorted(keys))}"
+        if key not in hints:
+            near = difflib.get_close_matches(key, list(hints), n=1, cutoff=0.6)
+            hint = f"did you mean env.{task}.{near[0]}?" if near else f"known: {', '.join(sorted(hints))}"
             raise ConfigError(f"unknown config key {dotted} ({hint})")
-        hint = keys[key]
+        hint = hints[key]
         if isinstance(value, str) and hint is not str and typing.get_origin(hint) is not typing.Union:
-            value = _parse_scalar(value, hint, dotted)
-        values[key] = _check_type(value, hint, dotted)
+            value = parse_text(value, hint, dotted)
+        values[key] = check_field(value, declared[key], hint, dotted)
     return cls(**values)
 
 
@@ -199,7 +201,7 @@ def settings_help(task: str, env: EnvConfig) -> list[tuple[str, Any, Any, str]]:
         return out
     default = cls()
     for f in dataclasses.fields(cls):
-        out.append((f.name, _keys(cls)[f.name], getattr(default, f.name), f.metadata.get("help", "")))
+        out.append((f.name, keys(cls)[f.name], getattr(default, f.name), field_help(f)))
     return out
 
 

@@ -37,7 +37,7 @@ def config(nats_url: str, prefix: str, tmp_path: Path) -> JetRLConfig:
     cfg.nats.url = nats_url
     cfg.nats.prefix = prefix
     cfg.run.dir = str(tmp_path / "run")
-    cfg.controller.tasks = {"db": 1.0}  # the task mix has no default: most tests run the db task
+    cfg.run.tasks = {"db": 1.0}  # the task mix has no default: most tests run the db task
     return cfg
 
 

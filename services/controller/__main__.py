@@ -20,9 +20,9 @@ from shared.service import Service, listen
 
 async def main(argv: list[str]) -> None:
     cfg, _ = from_argv(argv)
-    if not any(share > 0 for share in cfg.controller.tasks.values()):
-        raise SystemExit("controller: no task to run: set controller.tasks (task -> share), e.g. "
-                         "--controller.tasks='{\"TASK\": 1}'")
+    if not any(share > 0 for share in cfg.run.tasks.values()):
+        raise SystemExit("controller: no task to run: set run.tasks (task -> share), e.g. "
+                         "--run.tasks='{\"TASK\": 1}'")
     svc = Service(cfg, "controller", replica_name("controller"))  # gone within 10 s of SIGTERM, NATS or not
     sock, url = listen(cfg.controller.http_host, cfg.controller.http_port)
     run_dir = Path(cfg.run.dir)
@@ -43,7 +43,7 @@ async def main(argv: list[str]) -> None:
         svc.background("episode_board", lambda: controller.board.follow(nc, js, lambda: len(controller.finished)))
         svc.heartbeat({"url": url})
         svc.stack.callback(lambda: setattr(server, "should_exit", True))
-        svc.log.info("controller_ready", url=url, tasks=cfg.controller.tasks, group_size=cfg.controller.group_size)
+        svc.log.info("controller_ready", url=url, tasks=cfg.run.tasks, group_size=cfg.controller.group_size)
         if cfg.controller.mode == "eval":  # evaluate, write the report, exit (jetrl eval waits for us)
             await evaluate(controller, svc.stop, run_dir)
         else:

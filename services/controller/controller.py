@@ -1,6 +1,6 @@
 """The controller: turns the run plan into episode jobs, with backpressure, and keeps the books.
 
-* Plan: a task mix (``controller.tasks``), groups of ``group_size`` episodes of the same task instance,
+* Plan: a task mix (``run.tasks``), groups of ``group_size`` episodes of the same task instance,
   published as jobs on ``jobs.<task>`` until the trainer has done ``trainer.steps`` steps.
 * Backpressure: at most ``max_inflight`` episodes published and not yet finished, and none published
   while ``max_backlog`` finished trajectories wait for the trainer (read off the trainer's consumer on
@@ -16,64 +16,39 @@
 * Lifecycle: an episode is *published*, then *finished* when its trajectory lands in TRAJ (each
   episode id counted once, whatever the redeliveries).
 * Metrics: the latest report of every role, plus per-task success of finished episodes.
+
+What the controller hears back (trajectories, the trainer's word, metrics, replicas) and the books it keeps
+of it are ``RunBooks`` (services/controller/books.py); the task-mix schedule is ``Planner``
+(services/controller/planner.py). This module plans and publishes, and reports the run's status.
 """
 
 from __future__ import annotations
 
 import asyncio
-import random
 import time
 import uuid
-from collections import Counter, defaultdict, deque
+from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import structlog
 from nats.aio.client import Client
-from nats.aio.msg import Msg
-from nats.errors import TimeoutError as NatsTimeout
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
-from services.controller.board import RunBoard
+from services.controller.books import RunBooks
+from services.controller.planner import Planner
 from services.controller.report import eval_report
-from services.controller.sampler import LearnabilitySampler
-from services.controller.sources import Replicas, checked_report
-from shared.bus import TRANSIENT, dead_letter, decode_or_dead_letter, judge_each, publish_retrying
 from shared.config import JetRLConfig
-from shared.consumers import bind_durable, controller_consumer
+from shared.delivery import TRANSIENT, publish_retrying
 from shared.envapi import EnvClient, EnvError
 from shared.lifecycle import supervise
-from shared.messages import (
-    BadMessage,
-    EpisodeJob,
-    EpisodeStatus,
-    MetricsReport,
-    RunControl,
-    TrainingFinished,
-    Trajectory,
-    WeightsAnnouncement,
-    decode,
-    encode,
-)
-from shared.readiness import describe_build, is_building
-from shared.signing import SignatureError, signer_for, verifier_for
+from shared.messages import EpisodeJob, RunControl, encode
+from shared.signing import signer_for
 from shared.subjects import Subjects
 
 log = structlog.get_logger()
-
-
-@dataclass
-class TaskBook:
-    published: int = 0
-    finished: int = 0
-    successes: int = 0
-    reward_sum: float = 0.0
-    recent: deque[float] = field(default_factory=lambda: deque(maxlen=64))
-    turns: int = 0  # env interactions of finished episodes (each turn is one interact call)
-    generated_tokens: int = 0  # tokens the policy sampled in them (the loss mask)
-    statuses: Counter[str] = field(default_factory=Counter)  # finished episodes by status
 
 
 @dataclass
@@ -86,77 +61,22 @@ class SyncBatch:
     train_wait_s: float
 
 
-class Planner:
-    """Smooth weighted round robin over tasks (exact shares, no clumping); seeded task-id draws.
+class Controller(RunBooks):
+    """Publishes the plan's jobs within the bounds its books allow, and reports the run's status."""
 
-    A task left out of ``eligible`` (its lane is full) loses its turn to the others, but keeps earning
-    credit; with ``lead`` > 0 no task runs more than ``lead`` groups ahead of its share (then the planner
-    waits for the blocked one: shares stay near the weights); ``lead`` = 0 never waits (a stuck task's
-    share goes to the others). With a ``sampler`` the shares and the task-id draws follow its weights,
-    recomputed at every group (services/controller/sampler.py)."""
-
-    def __init__(self, mix: dict[str, float], task_ids: dict[str, list[str]], seed: int, lead: int = 0,
-                 sampler: LearnabilitySampler | None = None) -> None:
-        self.mix = {t: w for t, w in mix.items() if w > 0}
-        self.task_ids = task_ids
-        self.credit = {t: 0.0 for t in self.mix}
-        self.rng = random.Random(seed)
-        self.lead = lead
-        self.sampler = sampler
-
-    def next_group(self, eligible: set[str] | None = None) -> tuple[str, str] | None:
-        mix = self.sampler.task_weights() if self.sampler is not None else self.mix
-        total = sum(mix.values())
-        tasks = [t for t in mix if (eligible is None or t in eligible)
-                 and (not self.lead or self.credit[t] + mix[t] - total >= -self.lead * total)]
-        if not tasks:
-            return None
-        for t in mix:
-            self.credit[t] += mix[t]
-        task = max(tasks, key=lambda t: self.credit[t])
-        self.credit[task] -= total
-        if self.sampler is not None:
-            return task, self.sampler.choose_task_id(task, self.task_ids[task], self.rng)
-        return task, self.rng.choice(self.task_ids[task])
-
-
-class Controller:
     def __init__(self, nc: Client, js: JetStreamContext, subjects: Subjects, cfg: JetRLConfig, replica_id: str) -> None:
-        self.nc, self.js, self.subjects, self.cfg, self.replica_id = nc, js, subjects, cfg, replica_id
-        self.books: dict[str, TaskBook] = defaultdict(TaskBook)
-        self.inflight: dict[str, float] = {}  # episode id -> published at
-        self.inflight_task: dict[str, str] = {}  # episode id -> task, for the per-task lanes
-        self.inflight_by_task: Counter[str] = Counter()
+        super().__init__(nc, js, subjects, cfg)
+        self.replica_id = replica_id
         self.sync_batches: list[SyncBatch] = []
-        self.finished: set[str] = set()
-        self.duplicates = 0
-        self.lost = 0
-        self.policy_version = 0
-        self.trainer_step = 0
-        self.trainer_finished: TrainingFinished | None = None  # the trainer's own "done": ends the plan
-        self.eval_results: dict[str, dict[str, list[Trajectory]]] = {}
-        self.latest_metrics: dict[str, MetricsReport] = {}
         self.started_at = time.time()
         self.state = "starting"
         self.groups_published = 0
-        self._capacity = asyncio.Event()
-        self.replicas: list[dict[str, Any]] = []
-        self.registry = Replicas(subjects, cfg.controller.heartbeat_ttl_s)
-        self.refused_reports = 0  # metrics whose body names another role than their subject
         self.signer = signer_for(cfg.nats)  # signs run.control where the run has keys
-        self.trainer_verifier = verifier_for(cfg.nats, "trainer")
-        self.refused_signatures = 0
-        self.creates_durables = True  # an open server; with per-role users the admin makes them (shared/consumers.py)
         self._backlog = 0  # the last reading of the trainer's backlog (see backlog_full)
         self._backlog_read_at = -1.0
         self._finished_at_read = 0
         self.eval_planned: dict[str, int] = {}  # eval mode: episodes per task the run will publish
-        self.board = RunBoard(subjects)  # what the dashboard and the trajectory viewer show
         self._failure_announcer: asyncio.Task[None] | None = None
-        c = cfg.controller
-        self.sampler = (LearnabilitySampler(c.tasks, c.sampler_window, c.sampler_floor, c.sampler_mix)
-                        if c.task_sampler == "learnability" and c.mode == "train" and any(w > 0 for w in c.tasks.values())
-                        else None)
 
     # ------------------------------------------------------------------ plan and publish
     async def fetch_task_ids(self, timeout_s: float = 120.0, split: str = "train",
@@ -165,7 +85,7 @@ class Controller:
         engines load slowly takes longer than a request's timeout); for training, the first ``controller.train_limit`` of them."""
         out: dict[str, list[str]] = {}
         deadline = time.monotonic() + timeout_s
-        for task, share in self.cfg.controller.tasks.items():
+        for task, share in self.cfg.run.tasks.items():
             if share <= 0:
                 continue
             client = EnvClient(self.nc, self.subjects, task, timeout_s=10.0)
@@ -203,17 +123,9 @@ class Controller:
                 log.warning("failure_announce_failed", error=repr(exc))
             await asyncio.sleep(every_s)
 
-    def env_building(self, task: str) -> str:
-        """``building, questions 43 %`` while a live replica of ``task``'s env builds its data, else ''."""
-        ttl = self.cfg.controller.heartbeat_ttl_s
-        for r in self.replicas:
-            if r["role"] == f"env-{task}" and r["age_s"] < ttl and is_building(r["info"]):
-                return describe_build(r["info"])
-        return ""
-
     async def publish_jobs(self, stop: asyncio.Event) -> None:
         task_ids = await self.fetch_task_ids(self.cfg.controller.env_wait_s)
-        planner = Planner(self.cfg.controller.tasks, task_ids, self.cfg.run.seed, self.cfg.controller.lane_lead,
+        planner = Planner(self.cfg.run.tasks, task_ids, self.cfg.run.seed, self.cfg.controller.lane_lead,
                           self.sampler)
         self.state = "running"
         await self.nc.publish(self.subjects.run_control, self.control(RunControl(event="started", info={
@@ -278,34 +190,11 @@ class Controller:
         self.groups_published += 1
         return ids
 
-    def track(self, episode_id: str, task: str) -> None:
-        self.inflight[episode_id] = time.time()
-        self.inflight_task[episode_id] = task
-        self.inflight_by_task[task] += 1
-        self.books[task].published += 1
-
-    def untrack(self, episode_id: str) -> None:
-        self.inflight.pop(episode_id, None)
-        task = self.inflight_task.pop(episode_id, None)
-        if task is not None:
-            self.inflight_by_task[task] -= 1
-
     def open_lanes(self) -> set[str]:
         """Tasks with room for one more group under their ``task_max_inflight`` bound."""
         lanes, size = self.cfg.controller.task_max_inflight, self.cfg.controller.group_size
-        bound = {t: lanes.get(t, lanes.get("*", 0)) for t in self.cfg.controller.tasks}
+        bound = {t: lanes.get(t, lanes.get("*", 0)) for t in self.cfg.run.tasks}
         return {t for t, b in bound.items() if not b or self.inflight_by_task[t] + size <= max(b, size)}
-
-    async def newest_policy_version(self) -> int:
-        """The policy KV's version (the trainer writes it before it announces or reports the step)."""
-        try:
-            kv = await self.js.key_value(self.subjects.policy_kv)
-            note = decode((await kv.get(self.subjects.policy_version_key)).value or b"", WeightsAnnouncement)
-            self.trainer_verifier.check(note)  # an entry the trainer did not sign is no version of ours
-            self.policy_version = max(self.policy_version, note.version)
-        except Exception as exc:  # no version yet: the initial weights (version 0)
-            log.debug("policy_version_unread", error=type(exc).__name__)
-        return self.policy_version
 
     async def _wait_for_news(self) -> None:
         """Until a trajectory, weights or a trainer report arrives (at most 1 s)."""
@@ -390,134 +279,10 @@ class Controller:
             log.warning("trainer_backlog_unknown", error=repr(exc))  # keep the last reading
         return self._backlog
 
-    def expire_lost(self) -> None:
-        """Episodes whose jobs ran out of deliveries never report back: free their in-flight slots."""
-        cutoff = time.time() - self.cfg.controller.episode_timeout_s
-        for episode_id in [e for e, t in self.inflight.items() if t < cutoff]:
-            self.untrack(episode_id)
-            self.lost += 1
-            log.warning("episode_lost", episode_id=episode_id)
-
-    @property
-    def training_done(self) -> bool:
-        """Only the trainer's ``TrainingFinished`` ends the plan: a weights announcement or a metrics report
-        with a version or step beyond ``trainer.steps`` (forged, or another run's) is only a figure."""
-        return self.trainer_finished is not None
-
-    # ------------------------------------------------------------------ lifecycle and metrics
-    async def track_trajectories(self) -> None:
-        sub = await bind_durable(self.js, self.subjects.traj_stream, controller_consumer(self.subjects),
-                                 may_create=self.creates_durables)
-        while True:
-            try:
-                msgs = await sub.fetch(128, timeout=1.0)
-            except (TimeoutError, NatsTimeout):
-                continue
-            except Exception as exc:  # broker restarting: wait and read on (a closed connection ends the service)
-                if self.nc.is_closed:
-                    return
-                log.warning("trajectory_fetch_failed", error=repr(exc))
-                await asyncio.sleep(0.5)
-                continue
-            await judge_each(self.js, self.subjects, "controller", msgs, self._take_trajectory)
-
-    async def _take_trajectory(self, msg: Msg) -> None:
-        traj = await decode_or_dead_letter(self.js, self.subjects, "controller", msg, Trajectory)
-        if traj is not None:
-            self.on_trajectory(traj)
-            await msg.ack()
-
-    def on_trajectory(self, traj: Trajectory) -> None:
-        if traj.episode_id in self.finished:
-            self.duplicates += 1
-            return
-        self.finished.add(traj.episode_id)
-        self.untrack(traj.episode_id)
-        self.board.on_trajectory(traj, self.policy_version)
-        book = self.books[traj.task]
-        book.finished += 1
-        book.successes += int(traj.success)
-        book.reward_sum += traj.reward
-        book.recent.append(1.0 if traj.success else 0.0)
-        book.turns += len(traj.turns)
-        book.generated_tokens += sum(traj.loss_mask)
-        book.statuses[traj.status] += 1
-        if (self.sampler is not None and traj.split == "train" and not traj.group_id.startswith("eval-")
-                and traj.status != EpisodeStatus.ENV_ERROR):  # an env failure says nothing of the policy
-            self.sampler.observe(traj.task, traj.task_id, traj.level, traj.success)
-        if traj.group_id.startswith("eval-"):
-            name = traj.group_id.split("-")[1]  # eval-<pass>-<task>-...
-            if name in self.eval_results:
-                self.eval_results[name][traj.task].append(traj)
-        self._capacity.set()
-
-    async def follow_metrics_and_weights(self) -> None:
-        async def on_metrics(msg: Any) -> None:
-            report, why = checked_report(self.subjects, msg)  # the role is the subject's, never the body's
-            if report is None:
-                self.refused_reports += 1
-                log.warning("metrics_refused", subject=msg.subject, reason=why)
-                return
-            self.latest_metrics[f"{report.role}/{report.replica_id}"] = report
-            self.board.on_metrics(report)
-            if report.role == "trainer":  # an SFT trainer publishes no weights; its steps still count
-                self.trainer_step = max(self.trainer_step, report.step)
-                self._capacity.set()
-
-        async def on_weights(msg: Any) -> None:
-            try:
-                note = self.trainer_verifier.check(decode(msg.data, WeightsAnnouncement))
-                self.policy_version = max(self.policy_version, note.version)
-            except BadMessage as exc:
-                log.warning("bad_weights_announcement", reason=exc.reason)
-            except SignatureError as exc:
-                await self.refuse_unsigned(msg, exc)
-            self._capacity.set()
-
-        async def on_finished(msg: Any) -> None:
-            try:
-                finished = self.trainer_verifier.check(decode(msg.data, TrainingFinished))
-            except BadMessage as exc:
-                log.warning("bad_training_finished", reason=exc.reason)
-                return
-            except SignatureError as exc:
-                await self.refuse_unsigned(msg, exc)
-                return
-            self.trainer_finished = finished
-            log.info("training_finished", step=self.trainer_finished.step,
-                     policy_version=self.trainer_finished.policy_version, trainer=self.trainer_finished.replica_id)
-            self._capacity.set()
-
-        await self.nc.subscribe(self.subjects.metrics(">"), cb=on_metrics)
-        await self.nc.subscribe(self.subjects.weights_published, cb=on_weights)
-        await self.nc.subscribe(self.subjects.training_finished, cb=on_finished)
-
+    # ------------------------------------------------------------------ control and status
     def control(self, event: RunControl) -> bytes:
         """A ``run.control`` message, signed where the run has keys (shared/signing.py)."""
         return encode(self.signer.sign(event) if self.signer is not None else event)
-
-    async def refuse_unsigned(self, msg: Any, exc: SignatureError) -> None:
-        """A control message without the trainer's signature: counted, dead-lettered, otherwise ignored."""
-        self.refused_signatures += 1
-        log.warning("unsigned_control_refused", subject=msg.subject, reason=str(exc))
-        await dead_letter(self.js, self.subjects, service="controller", origin_subject=msg.subject, reason=str(exc),
-                          payload=msg.data)
-
-    async def watch_replicas(self, every_s: float = 2.0) -> None:
-        """Keep ``self.replicas`` fresh from the registry's writes (the HTTP handlers never touch NATS)."""
-        sub = await self.registry.follow(self.nc)
-        try:
-            while True:
-                self.replicas = await self.read_replicas()
-                await asyncio.sleep(every_s)
-        finally:
-            try:
-                await sub.unsubscribe()
-            except Exception as exc:  # the connection is closing
-                log.debug("registry_unsubscribe", error=repr(exc))
-
-    async def read_replicas(self) -> list[dict[str, Any]]:
-        return self.registry.rows()
 
     def status(self) -> dict[str, Any]:
         tasks = {}

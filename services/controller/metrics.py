@@ -11,7 +11,7 @@
 Throughput is what Prometheus derives from the counters: ``rate(jetrl_env_interactions_total[1m])``
 (env steps/s per task), ``rate(jetrl_rollout_generated_tokens_total[1m])`` (tokens/s the policy
 sampled), ``rate(jetrl_episodes_finished_total[1m])``; each rollout replica's own counters carry its
-``replica`` label. ``tests/test_prometheus.py`` checks a scrape with ``promtool check metrics``.
+``replica`` label. ``tests/controller/test_prometheus.py`` checks a scrape with ``promtool check metrics``.
 """
 
 from __future__ import annotations

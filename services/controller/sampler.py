@@ -9,7 +9,7 @@ each task, and each level of a task, is weighted by p(1-p) of its recent success
   tried first, and two lucky episodes do not make a task look solved;
 * learnability = max(p(1-p), ``floor``): a task that is always solved or never solved keeps a little
   weight, and is drawn again now and then to see whether the policy has moved;
-* task shares = (1 - ``mix``) * signal + ``mix`` * configured, where configured is ``controller.tasks``
+* task shares = (1 - ``mix``) * signal + ``mix`` * configured, where configured is ``run.tasks``
   normalised and signal ∝ configured * learnability (the configured mix stays the prior: a task given
   twice the share gets twice the weight at equal learnability);
 * within a task, a task id is drawn with weight (1 - ``mix``) * L(id) / sum L + ``mix`` / n, L(id) being

@@ -34,7 +34,7 @@ async def main(argv: list[str], handoff: EngineHandoff | None = None) -> None:
             svc.stack.callback(engine.close)
         await svc.connect()
         worker = RolloutWorker(svc.nc, svc.js, svc.subjects, rollout, engine, tokenizer, svc.replica_id, model_path,
-                               tasks=list(cfg.controller.tasks))
+                               tasks=list(cfg.run.tasks))
         worker.creates_durables = manages_topology(cfg.nats, "rollout")
         worker.trainer_verifier = verifier_for(cfg.nats, "trainer")
         if worker.chat_api is not None:

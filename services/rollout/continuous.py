@@ -21,12 +21,20 @@ Here:
 
 Weights: an update stops admission, lets the running turns finish, swaps the weights and drops every
 cache (its keys/values belong to the old policy), so each turn comes from one policy version.
+
+Held versions (``adapter_versions`` > 0, LoRA broadcasts): the engine keeps the current adapter and up to
+``adapter_versions - 1`` older ones beside the base weights (``services/rollout/adapters.py``), and a request
+may name any of them or the base model (version 0); rows of other versions than the current one get
+per-row low-rank corrections, batched by version. A sequence's keys/values are reused only by requests of
+its own version, and an update keeps the caches of the versions still held.
+
 Behaviour logprobs are ``log_softmax(logits / T)`` of the sampled token, the trainer's formula
 (``shared.lm.token_logprobs``); greedy requests (T = 0) report T = 1.
 """
 
 from __future__ import annotations
 
+import functools
 import mmap
 import queue
 import time
@@ -38,6 +46,7 @@ import numpy as np
 import structlog
 import torch
 
+from services.rollout.adapters import AdapterSet, parse_adapter
 from services.rollout.engine import STOP, Generation, QueuedEngine, Request, WeightUpdate
 from shared.lm import PackedLM, cast_linear_weights, fuse_projections
 from shared.model import load_model, load_weights_into
@@ -45,7 +54,7 @@ from shared.model import load_model, load_weights_into
 log = structlog.get_logger()
 
 MATMUL_DTYPES: dict[str, torch.dtype | None] = {"float32": None, "bfloat16": torch.bfloat16}
-"""``rollout.matmul_dtype``: fp32 throughout (exact against the fp32 trainer), or bf16 matmuls."""
+"""``rollout.continuous.matmul_dtype``: fp32 throughout (exact against the fp32 trainer), or bf16 matmuls."""
 
 MIN_SHARED_PREFIX = 16
 """Shorter common prefixes are recomputed rather than shared (not worth a cache lookup)."""
@@ -230,7 +239,8 @@ class ContinuousEngine(QueuedEngine):
     def __init__(self, model_path: Any, engine_id: str, stop_token_ids: list[int], *, threads: int = 1,
                  max_batch: int = 64, prefill_chunk: int = 512, cache_tokens: int = 65536,
                  slot_tokens: int = 1024, max_context: int = 8192, seed: int = 0, device: str = "cpu",
-                 own_thread: bool = True, matmul_dtype: str = "float32") -> None:
+                 own_thread: bool = True, matmul_dtype: str = "float32", adapter_versions: int = 0,
+                 adapter_keep_every: int = 1) -> None:
         torch.set_num_threads(threads)
         self.threads = threads
         self.model = load_model(model_path, device=device).eval().requires_grad_(False)
@@ -251,6 +261,10 @@ class ContinuousEngine(QueuedEngine):
         self.pool = TailPool(self.lm, slot_tokens, max_slots=max(max_batch + 1, cache_tokens // slot_tokens))
         self.sequences: list[Sequence] = []
         self._banks: dict[tuple[int, ...], Bank] = {}  # the last step's banks, by their roots' ids
+        # LoRA versions held beside the current one (cross-policy sampling in one engine); None: only the current
+        self.adapters = AdapterSet(self.lm, adapter_versions, adapter_keep_every) if adapter_versions > 0 else None
+        if self.adapters is not None:
+            self.held_versions = self.adapters.versions
         self._start(engine_id, own_thread)
 
     # ------------------------------------------------------------------ the engine's thread
@@ -296,15 +310,26 @@ class ContinuousEngine(QueuedEngine):
 
     def _apply_weights(self, update: WeightUpdate) -> None:
         try:
+            adapter = None
+            if self.adapters is not None and update.adapter is not None:
+                adapter = parse_adapter(update.adapter, update.version)  # checked before the weights change
             load_weights_into(self.model, update.state)
             cast_linear_weights(self.model, self.matmul_dtype)  # the low-precision copies follow the new weights
+            if self.adapters is not None:
+                self.adapters.advance(update.version, adapter)
+                self.held_versions = self.adapters.versions
         except Exception as exc:
             update.fail(exc)
             return
         self.policy_version = update.version
-        self.sequences.clear()  # their keys/values were computed by the old weights
         self._banks.clear()
-        self.pool.reset()
+        if self.adapters is None:
+            self.sequences.clear()  # their keys/values were computed by the old weights
+            self.pool.reset()
+        else:  # keep the keys/values of versions still held (the new version has none yet)
+            held = set(self.held_versions) - {update.version}
+            for seq in [s for s in self.sequences if s.version not in held]:
+                self._drop(seq)
         update.done()
 
     # ------------------------------------------------------------------ admission
@@ -320,22 +345,32 @@ class ContinuousEngine(QueuedEngine):
                                     f"the engine's max_context {self.max_context}"))
                 continue
             prompt = np.asarray(req.prompt, dtype=np.int64)
-            best, shared = self._best_sequence(prompt)
+            version = self._version_of(req)
+            best, shared = self._best_sequence(prompt, version)
             # Another request is encoding a longer common prefix right now: share it when it is done.
-            if any(r.reading_prompt and _common(r.req.prompt, prompt) >= shared + MIN_SHARED_PREFIX for r in running):
+            if any(r.reading_prompt and r.version == version and _common(r.req.prompt, prompt) >= shared + MIN_SHARED_PREFIX
+                   for r in running):
                 self.stats.waited_for_shared_prefix += 1
                 still.append(req)
                 continue
-            started = self._start_request(req, prompt, best, shared)
+            started = self._start_request(req, prompt, best, shared, version)
             if started is None:  # every slot is held by a running sequence: wait for one to finish
                 still.append(req)
                 continue
             running.append(started)
         return still
 
-    def _best_sequence(self, prompt: np.ndarray) -> tuple[Sequence | None, int]:
+    def _version_of(self, req: Request) -> int:
+        """The version a request plays: the one it names while it is held, else the current one."""
+        if req.version is None or self.adapters is None or not self.adapters.holds(req.version):
+            return self.policy_version
+        return req.version
+
+    def _best_sequence(self, prompt: np.ndarray, version: int) -> tuple[Sequence | None, int]:
         best, shared = None, 0
         for seq in self.sequences:
+            if seq.version != version:  # keys/values of another policy version: not this request's
+                continue
             n = seq.common_prefix(prompt)
             # prefer a sequence this request can take over (idle, wholly a prefix of the prompt): no new slot
             if n > shared or (n == shared and best is not None and n == seq.length and not seq.busy):
@@ -343,7 +378,7 @@ class ContinuousEngine(QueuedEngine):
         return best, shared
 
     def _start_request(self, req: Request, prompt: np.ndarray, best: Sequence | None,
-                       shared: int) -> Running | None:
+                       shared: int, version: int) -> Running | None:
         shared = min(shared, len(prompt) - 1)  # the last prompt token is always fed: it yields the first logits
         if best is not None and not best.busy and shared >= best.length - 1 and shared >= MIN_SHARED_PREFIX:
             seq = best  # the episode's previous turn: extend it in place
@@ -358,13 +393,13 @@ class ContinuousEngine(QueuedEngine):
             slot = self._take_slot()
             if slot is None:
                 return None
-            seq = Sequence(slot, chain, prompt, self.policy_version)
+            seq = Sequence(slot, chain, prompt, version)
             self.sequences.append(seq)
         seq.busy = True
         seq.last_used = time.monotonic()
         self.stats.prompt_tokens += len(prompt)
         self._evict()
-        return Running(req, seq, prompt[shared:].tolist(), self.policy_version)
+        return Running(req, seq, prompt[shared:].tolist(), version)
 
     def _share(self, source: Sequence, n: int) -> list[Segment]:
         """Segments holding ``source``'s first ``n`` tokens, for another sequence to attend to by reference.
@@ -458,7 +493,13 @@ class ContinuousEngine(QueuedEngine):
                 out[feed.start: feed.end] = self._prefill_attention(layer, feed, q, k, v)
             return out
 
-        hidden = self.lm.hidden(ids, positions, attend)
+        correct = None
+        if self.adapters is not None:  # rows of other held versions than the current one: their corrections
+            row_versions = np.repeat([r.version for r, _ in feeds], [len(chunk) for _, chunk in feeds])
+            step = self.adapters.corrections(row_versions)
+            if step is not None:
+                correct = functools.partial(self.adapters.correct, step)
+        hidden = self.lm.hidden(ids, positions, attend, correct)
         sampling: list[tuple[Running, int]] = []
         for (r, chunk), b in zip(feeds, rows[1:], strict=True):
             r.seq.append_tokens(chunk)
@@ -635,7 +676,9 @@ class ContinuousEngine(QueuedEngine):
             return False
         r.seq.busy = False  # resident: the episode's next turn extends it
         r.seq.last_used = time.monotonic()
-        r.req.done(Generation(r.tokens, r.logprobs, finish, self.engine_id, r.version))
+        # a turn of another version than the current one names it: an engine of its own in the trajectory
+        engine_id = self.engine_id if r.version == self.policy_version else f"{self.engine_id}@v{r.version}"
+        r.req.done(Generation(r.tokens, r.logprobs, finish, engine_id, r.version))
         return True
 
 

@@ -25,7 +25,8 @@ from typing import Any, Protocol
 
 import torch
 
-from shared.lm import token_logprobs
+from services.rollout.adapters import AdapterSet, parse_adapter, version_hooks
+from shared.lm import PackedLM, token_logprobs
 from shared.model import load_model, load_weights_into
 
 
@@ -42,10 +43,13 @@ class Generation:
 class Engine(Protocol):
     engine_id: str
     policy_version: int
+    held_versions: tuple[int, ...]  # versions a request may name besides the current one
 
-    async def generate(self, prompt: list[int], max_new_tokens: int, temperature: float) -> Generation: ...
+    async def generate(self, prompt: list[int], max_new_tokens: int, temperature: float,
+                       version: int | None = None) -> Generation: ...
 
-    async def update_weights(self, state: dict[str, torch.Tensor], version: int) -> None: ...
+    async def update_weights(self, state: dict[str, torch.Tensor], version: int,
+                             adapter: dict[str, torch.Tensor] | None = None) -> None: ...
 
     def close(self) -> None: ...
 
@@ -57,6 +61,7 @@ class Request:
     temperature: float
     future: asyncio.Future[Any]
     loop: asyncio.AbstractEventLoop
+    version: int | None = None  # a held policy version to play (``held_versions``); None: the current one
 
     def done(self, result: Any) -> None:
         self.loop.call_soon_threadsafe(_set_result, self.future, result)
@@ -71,12 +76,14 @@ class WeightUpdate:
     version: int
     future: asyncio.Future[Any]
     loop: asyncio.AbstractEventLoop
+    adapter: dict[str, torch.Tensor] | None = None  # the LoRA adapter merged into ``state``, for engines that hold versions
 
     def done(self, result: Any = None) -> None:
         # the engine has copied the weights (or skipped them): drop the tensors now. They are views of the
         # received buffer, which the worker refills with the next version only when no view is left, and
         # the engine thread keeps this update alive until its queue brings the next item
         self.state = {}
+        self.adapter = None
         self.loop.call_soon_threadsafe(_set_result, self.future, result)
 
     def fail(self, exc: BaseException) -> None:
@@ -98,6 +105,8 @@ class QueuedEngine:
 
     engine_id: str
     policy_version: int
+    held_versions: tuple[int, ...] = ()
+    """Policy versions a request may name besides the current one (engines that hold LoRA adapters)."""
 
     def _start(self, engine_id: str, own_thread: bool = True) -> None:
         self.engine_id = engine_id
@@ -116,16 +125,22 @@ class QueuedEngine:
         finally:
             self._stopped.set()
 
-    async def generate(self, prompt: list[int], max_new_tokens: int, temperature: float) -> Generation:
+    async def generate(self, prompt: list[int], max_new_tokens: int, temperature: float,
+                       version: int | None = None) -> Generation:
+        """One turn; ``version``: one of ``held_versions`` to play instead of the current one (a version the
+        engine no longer holds when the request starts plays the current one: the ``Generation`` says which)."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Generation] = loop.create_future()
-        self._queue.put(Request(list(prompt), max_new_tokens, temperature, future, loop))
+        self._queue.put(Request(list(prompt), max_new_tokens, temperature, future, loop, version))
         return await future
 
-    async def update_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
+    async def update_weights(self, state: dict[str, torch.Tensor], version: int,
+                             adapter: dict[str, torch.Tensor] | None = None) -> None:
+        """Load ``state`` as ``version``; ``adapter``: the LoRA pairs merged into it, which an engine that holds
+        versions keeps (others ignore it)."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[None] = loop.create_future()
-        self._queue.put(WeightUpdate(state, version, future, loop))
+        self._queue.put(WeightUpdate(state, version, future, loop, adapter))
         await future
 
     def close(self) -> None:
@@ -141,7 +156,8 @@ class HFEngine(QueuedEngine):
     """transformers ``generate`` with dynamic batching in one worker thread (the reference engine)."""
 
     def __init__(self, model_path: Any, engine_id: str, stop_token_ids: list[int], pad_token_id: int,
-                 threads: int = 1, max_batch: int = 16, device: str = "cpu", own_thread: bool = True) -> None:
+                 threads: int = 1, max_batch: int = 16, device: str = "cpu", own_thread: bool = True,
+                 adapter_versions: int = 0, adapter_keep_every: int = 1) -> None:
         torch.set_num_threads(threads)
         self.threads = threads
         self.model = load_model(model_path, device=device).eval()
@@ -149,6 +165,12 @@ class HFEngine(QueuedEngine):
         self.pad_token_id = pad_token_id
         self.max_batch = max_batch
         self.device = device
+        # LoRA versions held beside the current (merged) one: a batch of another version runs with forward
+        # hooks that add its low-rank difference (services/rollout/adapters.py); None: only the current one
+        self.adapters = AdapterSet(PackedLM(self.model), adapter_versions, adapter_keep_every, concatenate=False) \
+            if adapter_versions > 0 else None
+        if self.adapters is not None:
+            self.held_versions = self.adapters.versions
         self._start(engine_id, own_thread)
 
     def _run(self) -> None:
@@ -159,7 +181,14 @@ class HFEngine(QueuedEngine):
                 return
             if isinstance(item, WeightUpdate):
                 try:
+                    adapter = None
+                    if self.adapters is not None and item.adapter is not None:
+                        adapter = parse_adapter(item.adapter, item.version)
+                        adapter.pairs = {k: (a.to(self.device), b.to(self.device)) for k, (a, b) in adapter.pairs.items()}
                     load_weights_into(self.model, item.state)
+                    if self.adapters is not None:
+                        self.adapters.advance(item.version, adapter)
+                        self.held_versions = self.adapters.versions
                     self.policy_version = item.version
                 except Exception as exc:
                     item.fail(exc)
@@ -174,7 +203,8 @@ class HFEngine(QueuedEngine):
                 except queue.Empty:
                     break
                 if (isinstance(nxt, Request) and nxt.temperature == item.temperature
-                        and nxt.max_new_tokens == item.max_new_tokens):
+                        and nxt.max_new_tokens == item.max_new_tokens
+                        and self._version_of(nxt) == self._version_of(item)):
                     batch.append(nxt)
                 else:
                     self._queue.queue.appendleft(nxt)  # keep order: it runs right after this batch
@@ -188,8 +218,25 @@ class HFEngine(QueuedEngine):
             for req, result in zip(batch, results, strict=True):
                 req.done(result)
 
-    @torch.no_grad()
+    def _version_of(self, req: Request) -> int:
+        """The version a request plays: the one it names while it is held, else the current one."""
+        if req.version is None or self.adapters is None or not self.adapters.holds(req.version):
+            return self.policy_version
+        return req.version
+
     def _generate_batch(self, batch: list[Request]) -> list[Generation]:
+        version = self._version_of(batch[0])  # one version per batch (the gathering above sees to it)
+        if version == self.policy_version or self.adapters is None:
+            return self._generate_with(batch, version)
+        hooks = version_hooks(self.adapters, self.model.get_decoder().layers, version)
+        try:
+            return self._generate_with(batch, version)
+        finally:
+            for hook in hooks:
+                hook.remove()
+
+    @torch.no_grad()
+    def _generate_with(self, batch: list[Request], version: int) -> list[Generation]:
         temperature = batch[0].temperature
         width = max(len(r.prompt) for r in batch)
         ids = torch.full((len(batch), width), self.pad_token_id, dtype=torch.long)
@@ -218,7 +265,8 @@ class HFEngine(QueuedEngine):
                 if tok in self.stop_token_ids:
                     toks, lps, finish = toks[: j + 1], lps[: j + 1], "stop"
                     break
-            results.append(Generation(toks, lps, finish, self.engine_id, self.policy_version))
+            engine_id = self.engine_id if version == self.policy_version else f"{self.engine_id}@v{version}"
+            results.append(Generation(toks, lps, finish, engine_id, version))
         return results
 
 

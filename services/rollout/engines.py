@@ -23,24 +23,25 @@ def build_engine(cfg: JetRLConfig, model_path: Path, tokenizer: Any, engine_id: 
     rollout = cfg.rollout
     end_of_turn = [tokenizer.convert_tokens_to_ids("<|im_end|>")]
     if rollout.engine == "continuous":
+        continuous = rollout.continuous
         return ContinuousEngine(model_path, engine_id, end_of_turn, threads=rollout.torch_threads,
-                                max_batch=rollout.max_batch, prefill_chunk=rollout.prefill_chunk,
-                                cache_tokens=rollout.kv_cache_tokens, slot_tokens=rollout.kv_slot_tokens,
+                                max_batch=continuous.max_batch, prefill_chunk=continuous.prefill_chunk,
+                                cache_tokens=continuous.kv_cache_tokens, slot_tokens=continuous.kv_slot_tokens,
                                 max_context=rollout.max_context_tokens, seed=cfg.run.seed, device=rollout.device,
-                                own_thread=own_thread, matmul_dtype=rollout.matmul_dtype)
+                                own_thread=own_thread, matmul_dtype=continuous.matmul_dtype,
+                                adapter_versions=rollout.adapter_versions, adapter_keep_every=rollout.stale_every)
     if rollout.engine == "hf":
         return HFEngine(model_path, engine_id, end_of_turn, tokenizer.pad_token_id, threads=rollout.torch_threads,
-                        device=rollout.device, own_thread=own_thread)
+                        device=rollout.device, own_thread=own_thread, adapter_versions=rollout.adapter_versions,
+                        adapter_keep_every=rollout.stale_every)
     if rollout.engine == "vllm":  # scale-out: vllm is installed only where it runs (make venv-vllm)
         from services.rollout.vllm_engine import VLLMEngine
-        return VLLMEngine(model_path, engine_id, end_of_turn, dtype=rollout.vllm_dtype,
-                          max_model_len=rollout.vllm_max_model_len or rollout.max_context_tokens,
-                          gpu_memory_utilization=rollout.vllm_gpu_memory_utilization,
-                          kv_cache_gb=rollout.vllm_kv_cache_gb, enforce_eager=rollout.vllm_enforce_eager,
-                          seed=cfg.run.seed)
-    if rollout.engine not in ("oracle", "openai"):
-        raise SystemExit(f"unknown rollout.engine {rollout.engine!r}")
-    return None
+        vllm = rollout.vllm
+        return VLLMEngine(model_path, engine_id, end_of_turn, dtype=vllm.dtype,
+                          max_model_len=vllm.max_model_len or rollout.max_context_tokens,
+                          gpu_memory_utilization=vllm.gpu_memory_utilization, kv_cache_gb=vllm.kv_cache_gb,
+                          enforce_eager=vllm.enforce_eager, seed=cfg.run.seed)
+    return None  # one of ENGINES_WITHOUT_MODEL: the config admits no other engine
 
 
 class EngineHandoff:

@@ -19,9 +19,9 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
 from services.rollout.turns import ContextLimit, Exchange, TurnSource, TurnState
-from shared.bus import publish_retrying
 from shared.chat import render_observation, render_opening
 from shared.config import RolloutConfig
+from shared.delivery import publish_retrying
 from shared.envapi import EnvClient, episode_seed
 from shared.keepalive import touch, touching
 from shared.messages import ActionEvent, EpisodeJob, EpisodeStatus, ObservationEvent, Trajectory, TurnInfo, encode

@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 import structlog
 
-from shared.config import RolloutConfig
+from shared.config import OpenAIEngineConfig
 
 log = structlog.get_logger()
 
@@ -38,12 +38,12 @@ class ContextLimit(ChatAPIError):
 
 
 class OpenAIChatClient:
-    def __init__(self, cfg: RolloutConfig) -> None:
-        self.url = cfg.openai_base_url.rstrip("/") + "/chat/completions"
-        self.model = cfg.openai_model
-        key = cfg.openai_api_key or os.environ.get("OPENAI_API_KEY", "")
+    def __init__(self, cfg: OpenAIEngineConfig) -> None:
+        self.url = cfg.base_url.rstrip("/") + "/chat/completions"
+        self.model = cfg.model
+        key = cfg.api_key or os.environ.get("OPENAI_API_KEY", "")
         headers = {"Authorization": f"Bearer {key}"} if key else {}
-        self.http = httpx.AsyncClient(headers=headers, timeout=cfg.openai_timeout_s)
+        self.http = httpx.AsyncClient(headers=headers, timeout=cfg.timeout_s)
         self.requests = 0
         self.usage = {"prompt_tokens": 0, "completion_tokens": 0}
 

@@ -20,6 +20,7 @@ from typing import Any, Protocol
 import structlog
 from nats.aio.client import Client
 
+from services.rollout.adapters import BASE_VERSION
 from services.rollout.engine import Engine, Generation
 from services.rollout.openai_client import ContextLimit, OpenAIChatClient, history_after_turn
 from services.rollout.pool import generate_on_pool
@@ -100,16 +101,30 @@ class OracleTurns:
 
 class EngineTurns:
     """This replica's engine, or with ``cross_policy_prob`` an engine drawn from the pool (whichever of its
-    replicas answers first; the local engine when none does). The draws are this replica's own sequence."""
+    replicas answers first; the local engine when none does). With ``adapter_versions`` a cross-policy turn
+    plays instead an older version this engine holds, drawn evenly (the base model among them with
+    ``cross_policy_base``); the current one while it holds none. The draws are this replica's own sequence."""
 
     def __init__(self, engine: Engine, tokenizer: Any, nc: Client, subjects: Subjects, cfg: RolloutConfig,
                  rng: random.Random, digests: dict[int, str], counts: dict[str, int]) -> None:
         self.engine, self.tokenizer, self.nc, self.subjects, self.cfg = engine, tokenizer, nc, subjects, cfg
         self.rng, self.digests, self.counts = rng, digests, counts
 
+    def other_versions(self) -> list[int]:
+        """The versions a cross-policy turn may play in this engine: those it holds, minus the current one."""
+        current = self.engine.policy_version
+        return [v for v in self.engine.held_versions
+                if v != current and (v != BASE_VERSION or self.cfg.cross_policy_base)]
+
     async def next_turn(self, state: TurnState) -> AssistantTurn:
         job = state.job
         if self.cfg.cross_policy_prob > 0 and self.rng.random() < self.cfg.cross_policy_prob:
+            if self.cfg.adapter_versions > 0:
+                others = self.other_versions()
+                version = self.rng.choice(others) if others else None
+                gen = await self.engine.generate(state.tokens, job.max_new_tokens, job.temperature, version=version)
+                self.counts["held" if version is not None and gen.policy_version == version else "local"] += 1
+                return parsed(weights_named(gen, self.digests), self.tokenizer, state.turn)
             try:
                 gen = await generate_on_pool(self.nc, self.subjects, self.cfg, state.tokens, job.max_new_tokens,
                                              job.temperature)
@@ -142,7 +157,7 @@ class OpenAITurns:
         except (ValueError, TypeError, KeyError):  # arguments that are not JSON: keep them as the server sent them
             text = f"{message.get('content') or ''}\n<tool_call>{json.dumps(message.get('tool_calls'))}</tool_call>"
         ids = self.tokenizer.encode(text, add_special_tokens=False) + [self.end_of_turn]
-        return AssistantTurn(Generation(ids, [0.0] * len(ids), "stop", f"openai:{self.cfg.openai_model}",
+        return AssistantTurn(Generation(ids, [0.0] * len(ids), "stop", f"openai:{self.cfg.openai.model}",
                                         ORACLE_POLICY_VERSION), message)
 
 

@@ -36,22 +36,16 @@ from services.rollout.episode import EpisodePlayer, EpisodeRecord
 from services.rollout.openai_client import OpenAIChatClient
 from services.rollout.pool import serve_pool
 from services.rollout.turns import ORACLE_POLICY_VERSION, turn_source, weights_named
-from shared.bus import (
-    TRANSIENT,
-    Acker,
-    dead_letter,
-    decode_or_dead_letter,
-    judge_each,
-    publish_metrics,
-    publish_retrying,
-    read_object,
-)
+from shared.bus import publish_metrics
 from shared.config import RolloutConfig
+from shared.config.rollout import ENGINES_WITHOUT_MODEL
 from shared.consumers import JOB_MAX_DELIVER, bind_durable, job_consumer, job_consumer_name, job_lanes
+from shared.delivery import TRANSIENT, Acker, dead_letter, decode_or_dead_letter, judge_each, publish_retrying
 from shared.envapi import EnvClient, EnvError
 from shared.lifecycle import supervise
 from shared.messages import BadMessage, EpisodeJob, Trajectory, WeightsAnnouncement, decode, encode
 from shared.model import load_state_file, merge_lora_delta, weights_from_buffer
+from shared.objectread import read_object
 from shared.signing import SignatureError, Verifier
 from shared.subjects import Subjects
 
@@ -80,11 +74,12 @@ class RolloutWorker:
         self.base_weights: dict[str, Any] | None = None
         self._weights_buffer: bytearray | None = None  # the last version's bytes (cfg.keep_weights_buffer)
         self.engine, self.tokenizer, self.replica_id = engine, tokenizer, replica_id
-        if engine is None and cfg.engine not in ("oracle", "openai"):
+        if engine is None and cfg.engine not in ENGINES_WITHOUT_MODEL:
             raise ValueError(f"rollout.engine={cfg.engine!r} needs a model engine")
         # engine = openai: turns come from an OpenAI-compatible server, in the API's message form
-        self.chat_api = OpenAIChatClient(cfg) if cfg.engine == "openai" else None
-        self.turn_sources: dict[str, int] = {"local": 0, "pool": 0, "oracle": 0, "openai": 0}
+        self.chat_api = OpenAIChatClient(cfg.openai) if cfg.engine == "openai" else None
+        # turns by where they came from; "held": an older version (or the base model) of this engine's own
+        self.turn_sources: dict[str, int] = {"local": 0, "pool": 0, "held": 0, "oracle": 0, "openai": 0}
         self.weights_digests: dict[int, str] = {}  # version -> digest of the weights loaded for it (its turns name it)
         rng = random.Random(zlib.crc32(replica_id.encode()))  # this replica's own cross-policy draws
         self.player = EpisodePlayer(turn_source(cfg, engine, tokenizer, nc, subjects, rng, self.weights_digests,
@@ -358,16 +353,22 @@ class RolloutWorker:
             del spare
             received = time.monotonic()
             state = weights_from_buffer(data)
+            adapter = None
             if note.format == "lora":  # an adapter: the full weights are the base's plus B @ A
                 if self.base_weights is None:
                     self.base_weights = await asyncio.to_thread(load_state_file, self.model_path)
+                # an engine that holds versions (rollout.adapter_versions) keeps the adapter beside them
+                adapter = state if self.cfg.adapter_versions > 0 else None
                 state = await asyncio.to_thread(merge_lora_delta, self.base_weights, state)
             elif note.format != "full":
                 raise ValueError(f"weights v{note.version}: unknown format {note.format!r}")
-            await self.engine.update_weights(state, note.version)
+            await self.engine.update_weights(state, note.version, adapter)
+            del adapter
             self.weights_digests[note.version] = note.digest  # what its turns of this version name
+            playable = set(getattr(self.engine, "held_versions", ()))
             for old in sorted(self.weights_digests)[:-64]:  # a turn played with a version this old is long trained on
-                del self.weights_digests[old]
+                if old not in playable:  # unless the engine still plays it
+                    del self.weights_digests[old]
             async with self._weights_loaded:
                 self._weights_loaded.notify_all()
             held = time.monotonic()

@@ -36,8 +36,6 @@ async def main(argv: list[str]) -> None:
     if cfg.trainer.backend == "deepspeed":  # scale-out: ranks > 0 follow rank 0 in there and exit
         from services.trainer.deepspeed_backend import start_ranks
         trainer_cls = await asyncio.to_thread(start_ranks, cfg, model, run_dir)
-    elif cfg.trainer.backend != "torch":
-        raise SystemExit(f"unknown trainer.backend {cfg.trainer.backend!r} (torch | deepspeed)")
     async with svc:
         await svc.connect()
         trainer = trainer_cls(svc.nc, svc.js, svc.subjects, cfg.trainer, model, run_dir, svc.replica_id)

@@ -3,7 +3,7 @@
 Launch it with either launcher; every rank runs the same entry point (without one, as under
 ``jetrl up``, it is a single rank; ``jetrl up --trainer-ranks N`` starts it under torchrun)::
 
-    torchrun --nproc_per_node N -m services.trainer --trainer.backend=deepspeed [--trainer.zero_stage=3]
+    torchrun --nproc_per_node N -m services.trainer --trainer.backend=deepspeed [--trainer.deepspeed.zero_stage=3]
     deepspeed --num_gpus N --module services.trainer --trainer.backend=deepspeed
 
 Rank 0 is the trainer service: NATS intake, dynamic batches, weight broadcast, checkpoints, metrics.
@@ -54,11 +54,8 @@ log = structlog.get_logger()
 
 
 def ds_config(cfg: TrainerConfig) -> dict[str, Any]:
-    """The DeepSpeed config for a ``TrainerConfig``: the plain trainer's AdamW and clipping, ZeRO on top."""
-    if cfg.zero_stage not in (1, 2, 3):
-        raise ValueError(f"trainer.zero_stage must be 1, 2 or 3, got {cfg.zero_stage}")
-    if cfg.ds_dtype not in ("float32", "bfloat16"):
-        raise ValueError(f"trainer.ds_dtype must be float32 or bfloat16, got {cfg.ds_dtype!r}")
+    """The DeepSpeed config for a ``TrainerConfig``: the plain trainer's AdamW and clipping, ZeRO on top
+    (``[trainer.deepspeed]``, its stage and dtype checked where the config is loaded)."""
     return {
         # Batching is the trainer's (token-budget micro-batches); DeepSpeed only sees one "sample" a pass.
         "train_micro_batch_size_per_gpu": 1,
@@ -67,8 +64,8 @@ def ds_config(cfg: TrainerConfig) -> dict[str, Any]:
         # torch's own AdamW: the same update as the plain backend, and no fused op to compile.
         "optimizer": {"type": "AdamW", "params": {"lr": cfg.lr, "betas": list(cfg.betas), "eps": 1e-8,
                                                   "weight_decay": cfg.weight_decay, "torch_adam": True}},
-        "zero_optimization": {"stage": cfg.zero_stage},
-        "bf16": {"enabled": cfg.ds_dtype == "bfloat16"},
+        "zero_optimization": {"stage": cfg.deepspeed.zero_stage},
+        "bf16": {"enabled": cfg.deepspeed.dtype == "bfloat16"},
         "steps_per_print": 2**31 - 1,
         "wall_clock_breakdown": False,
     }
@@ -115,14 +112,14 @@ class DeepSpeedBackend:
         # ZeRO-3 keeps 1/world of each parameter per rank: rank 0 gathers into this full copy for publishing
         # (copied before deepspeed.initialize partitions the model).
         self._full = copy.deepcopy(model).to("cpu", torch.float32).eval() \
-            if cfg.zero_stage == 3 and self.rank == 0 else None
+            if cfg.deepspeed.zero_stage == 3 and self.rank == 0 else None
         self.engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                                     config=ds_config(cfg))
         self.model = self.engine.module  # the HF model itself: the update calls its decoder and LM head
-        self.optimizer = _ShardedOptimizer(cfg.zero_stage)
+        self.optimizer = _ShardedOptimizer(cfg.deepspeed.zero_stage)
         self._pending: torch.Tensor | None = None
-        log.info("deepspeed_ready", rank=self.rank, world=self.world, zero_stage=cfg.zero_stage,
-                 dtype=cfg.ds_dtype, device=str(self.device))
+        log.info("deepspeed_ready", rank=self.rank, world=self.world, zero_stage=cfg.deepspeed.zero_stage,
+                 dtype=cfg.deepspeed.dtype, device=str(self.device))
 
     # ------------------------------------------------------------------ what the update calls
     def zero_grad(self) -> None:
@@ -193,7 +190,7 @@ class DeepSpeedBackend:
     def _step(self, share: RankShare, train: TrainShare) -> dict[str, Any]:
         with torch.device(self.device):  # tensors the update makes land beside the model
             stats = train(share)
-        if self.cfg.zero_stage == 3:
+        if self.cfg.deepspeed.zero_stage == 3:
             self._gather_full()
         if share.checkpoint:
             self._save_shards(Path(share.checkpoint))
@@ -216,7 +213,7 @@ class DeepSpeedBackend:
     def _load_shards(self, path: Path) -> None:
         self.engine.load_checkpoint(str(path), tag=CHECKPOINT_TAG, load_optimizer_states=True,
                                     load_lr_scheduler_states=False)
-        if self.cfg.zero_stage == 3:
+        if self.cfg.deepspeed.zero_stage == 3:
             self._gather_full()
 
     def _gather_full(self) -> None:
@@ -266,7 +263,8 @@ def start_ranks(cfg: JetRLConfig, model: Any, run_dir: Path) -> Callable[..., Tr
             port = sock.getsockname()[1]
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     accel = get_accelerator()
-    backend = cfg.trainer.ds_dist_backend or ("gloo" if accel.device_name() == "cpu" else accel.communication_backend_name())
+    backend = cfg.trainer.deepspeed.dist_backend or ("gloo" if accel.device_name() == "cpu"
+                                                     else accel.communication_backend_name())
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if accel.device_name() != "cpu":
         accel.set_device(local_rank)

@@ -18,8 +18,8 @@ from nats.js import JetStreamContext
 
 from services.trainer.batch import rl_trainable
 from services.trainer.records import EpisodeOutcome
-from shared.bus import dead_letter, decode_or_dead_letter, retrying, term_quietly
 from shared.config import RolloutConfig, TrainerConfig
+from shared.delivery import dead_letter, decode_or_dead_letter, retrying, term_quietly
 from shared.keepalive import keep_touching
 from shared.messages import Trajectory
 from shared.subjects import Subjects

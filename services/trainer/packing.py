@@ -9,7 +9,7 @@ gradient, and every descendant attends to its keys/values (``shared.lm``). Each 
 leaf segment that holds the rest of its tokens.
 
 Exact: a token sees the same keys/values at the same positions as in its own unshared forward pass,
-so its logprob is the same up to float rounding (tests/test_packing.py checks 1e-5 against the
+so its logprob is the same up to float rounding (tests/trainer/test_packing.py checks 1e-5 against the
 plain padded forward). Gradients flow from every leaf into the shared segments within one autograd
 graph, so the update is the same too.
 """

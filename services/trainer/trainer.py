@@ -33,9 +33,9 @@ from services.trainer.data_parallel import RankShare
 from services.trainer.intake import Group, Intake, vocab_size
 from services.trainer.records import EpisodeOutcome, StepRecorder, task_stats
 from services.trainer.weights import Publisher, export, trained_weights
-from shared.bus import judge_each
 from shared.config import TrainerConfig
 from shared.consumers import bind_durable, trainer_consumer
+from shared.delivery import judge_each
 from shared.lifecycle import supervise
 from shared.messages import Trajectory
 from shared.model import add_lora

@@ -12,8 +12,8 @@ from nats.aio.client import Client
 from nats.js import JetStreamContext
 from nats.js.api import ObjectMeta, ObjectMetaOptions
 
-from shared.bus import retrying
 from shared.config import TrainerConfig
+from shared.delivery import retrying
 from shared.digest import digest
 from shared.messages import WeightsAnnouncement, decode, encode
 from shared.model import lora_delta_bytes, weights_to_bytes, weights_to_bytes_of

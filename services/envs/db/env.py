@@ -19,9 +19,11 @@ from typing import Any
 import structlog
 
 from services.envs.base import Episode, TaskEnv, TaskLevel, ToolCall, ToolError, ToolResult
-from services.envs.db.backends import Limits, MariaDBServer, SQLiteDB
+from services.envs.db.backends import Limits
 from services.envs.db.generate import generate, level_of
 from services.envs.db.grading import answers_from_rows, compare
+from services.envs.db.mariadb_db import MariaDBServer
+from services.envs.db.sqlite_db import SQLiteDB
 from services.envs.db.tasks import Task, load_agentbench, opening_messages
 from shared.config import EnvConfig
 from shared.messages import EpisodeStatus

@@ -266,7 +266,8 @@ def _keyless_question(rng: random.Random, t: Table, level: int, cat: str, cv: An
 # -------------------------------------------------------------------------------------- checking
 def check(task: Task) -> bool:
     """A task is usable when its reference SQL runs on SQLite and has a clear, non-trivial answer."""
-    from services.envs.db.backends import Limits, SQLiteDB
+    from services.envs.db.backends import Limits
+    from services.envs.db.sqlite_db import SQLiteDB
 
     db = SQLiteDB(task.tables, Limits(timeout_s=5.0, max_rows=100_000, max_chars=10**9))
     try:

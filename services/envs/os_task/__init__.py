@@ -24,7 +24,8 @@ import structlog
 from services.envs.base import Episode, TaskEnv, TaskLevel, ToolCall, ToolError, ToolResult
 from services.envs.os_task.config import OSTaskConfig
 from services.envs.os_task.docker_sandbox import DockerSandbox
-from services.envs.os_task.sandbox import BwrapSandbox, Cgroup, Limits, Sandbox, ensure_rootfs
+from services.envs.os_task.rootfs import ensure_rootfs
+from services.envs.os_task.sandbox import BwrapSandbox, Cgroup, Limits, Sandbox
 from services.envs.os_task.tasks import (
     COMPARISONS,
     OSTask,

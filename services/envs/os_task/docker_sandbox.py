@@ -1,6 +1,6 @@
 """The OS sandbox's docker backend (``env.os.backend = docker``): a container of an AgentBench-like image per
 episode, sandboxd its pid 1, spoken to over the container's attached stdin/stdout. It behaves as the bwrap
-backend does (``tests/sandbox_checks.py`` runs the same checks on both): Docker's default capabilities less
+backend does (``tests/envs/sandbox_checks.py`` runs the same checks on both): Docker's default capabilities less
 MKNOD, no_new_privs, Docker's seccomp profile and masked /proc paths plus sandboxd's own folders of /proc/1,
 Docker's open-file limit set explicitly, and apt served offline from a local repository in the image."""
 
@@ -16,17 +16,8 @@ from typing import Any
 
 import structlog
 
-from services.envs.os_task.sandbox import (
-    LOCAL_REPO,
-    OFFLINE_PACKAGES,
-    SANDBOXD,
-    SANDBOXD_HIDDEN,
-    VARIANT_PACKAGES,
-    Limits,
-    Sandbox,
-    SandboxError,
-    sandbox_nofile,
-)
+from services.envs.os_task.rootfs import LOCAL_REPO, OFFLINE_PACKAGES, VARIANT_PACKAGES
+from services.envs.os_task.sandbox import SANDBOXD, SANDBOXD_HIDDEN, Limits, Sandbox, SandboxError, sandbox_nofile
 
 log = structlog.get_logger()
 

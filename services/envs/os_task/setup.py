@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from services.envs.os_task.docker_sandbox import build_docker_images
-from services.envs.os_task.sandbox import ensure_rootfs
+from services.envs.os_task.rootfs import ensure_rootfs
 from shared.config import from_argv
 
 
