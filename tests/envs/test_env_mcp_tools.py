@@ -1,17 +1,20 @@
 """MCP tool servers through the mcp_tools adapter, against a real MCP server written with PyPI ``mcp``
 (tests/servers/sql_tools.py) over stdio and streamable HTTP: the server's tools as it lists them, a
 session of its own per episode, every grader, a server that dies mid-episode (env_error, no hang), and
-cancel and idle timeouts that close the server's session."""
+cancel and idle timeouts that close the server's session; and a pool of sessions shared by episodes in
+parallel, one of whose servers is killed mid-episode."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +46,8 @@ TASKS = [
     {"id": "held-out", "prompt": "How many tables are there?", "answer": "0", "split": "test"},
 ]
 
+STATELESS_TASKS = [{"id": f"add-{n}", "prompt": f"What is {n} + 1?", "answer": str(n + 1)} for n in range(8)]
+
 
 def call(name: str, **arguments: Any) -> ToolCall:
     return ToolCall(name, arguments)
@@ -62,10 +67,28 @@ def free_port() -> int:
 
 
 @pytest.fixture
+def stateless_tasks_file(tmp_path: Path) -> str:
+    """Tasks without setup: what a pool of shared sessions serves."""
+    path = tmp_path / "stateless.jsonl"
+    path.write_text("".join(json.dumps(t) + "\n" for t in STATELESS_TASKS))
+    return str(path)
+
+
+@pytest.fixture
 def http_server() -> Any:
     """The SQL tool server over streamable HTTP, as its own process; yields (url, process)."""
+    yield from serve_http("http")
+
+
+@pytest.fixture
+def stateless_http_server() -> Any:
+    """The SQL tool server over stateless streamable HTTP (it assigns no Mcp-Session-Id)."""
+    yield from serve_http("http-stateless")
+
+
+def serve_http(mode: str) -> Any:
     port = free_port()
-    proc = subprocess.Popen([*SERVER, "http", str(port)], cwd=REPO, stdout=subprocess.DEVNULL,
+    proc = subprocess.Popen([*SERVER, mode, str(port)], cwd=REPO, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
@@ -249,3 +272,163 @@ def test_env_check_passes(tmp_path: Path, http_server: Any) -> None:
     path.write_text("".join(json.dumps(t) + "\n" for t in TASKS if t["id"] in ("count", "mean", "held-out")))
     out = env_check("mcp", f"--env.mcp.url={http_server[0]}", f"--env.mcp.tasks_file={path}")
     assert "2/2 solved" in out and "1/1 solved" in out and "env-check mcp: 11 passed" in out
+
+
+def wait_for(condition: Any, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return bool(condition())
+
+
+def solve_adding(env: McpToolsEnv, task_id: str) -> float:
+    """One pooled episode: a slow call, a query, the answer."""
+    ep = env.open(task_id, "train", 0)
+    try:
+        assert [t["function"]["name"] for t in ep.tools][-1] == "submit_answer"
+        assert ep.call(call("wait", seconds=0.5)).content == "waited"
+        n = int(task_id.split("-")[1])
+        rows = ep.call(call("execute_sql", query=f"SELECT {n} + 1")).content
+        assert rows == f"[({n + 1},)]"
+        return ep.call(call("submit_answer", answer=rows.strip("[(,)]"))).reward
+    finally:
+        ep.close()
+
+
+def test_pooled_stdio_episodes_in_parallel_share_a_few_servers(tasks_file: str, stateless_tasks_file: str) -> None:
+    with pytest.raises(ValueError, match="setup calls"):  # setup gives an episode state of its own: not pooled
+        McpToolsEnv(McpToolsConfig(server_command=SERVER, tasks_file=tasks_file, sessions="pooled"), name="sql")
+    assert wait_for(lambda: server_children() == [])
+    env = McpToolsEnv(McpToolsConfig(server_command=SERVER, tasks_file=stateless_tasks_file, sessions="pooled",
+                                     pool_size=2), name="sql")
+    try:
+        assert env.pool is not None and wait_for(lambda: len(server_children()) == 2)
+        started = time.monotonic()
+        with ThreadPoolExecutor(8) as threads:
+            rewards = list(threads.map(lambda t: solve_adding(env, t), env.task_ids("train")))
+        assert rewards == [1.0] * 8
+        assert time.monotonic() - started < 3.0  # eight 0.5 s calls at once, not one after another
+        assert len(server_children()) == 2  # no process of an episode's own
+    finally:
+        env.close()
+    assert wait_for(lambda: server_children() == [])
+    auto = McpToolsEnv(McpToolsConfig(server_command=SERVER, tasks_file=stateless_tasks_file, sessions="auto"),
+                       name="sql")
+    try:
+        assert auto.pool is None  # nothing lets a stdio server declare itself stateless
+    finally:
+        auto.close()
+
+
+def test_a_pooled_stdio_server_killed_mid_episode_ends_only_the_calls_on_it(stateless_tasks_file: str) -> None:
+    env = McpToolsEnv(McpToolsConfig(server_command=SERVER, tasks_file=stateless_tasks_file, sessions="pooled",
+                                     pool_size=2), name="sql")
+    try:
+        assert wait_for(lambda: len(server_children()) == 2)
+        a, b = env.open("add-1", "train", 0), env.open("add-2", "train", 0)
+
+        def slow(ep: Any) -> Any:
+            try:
+                return ep.call(call("wait", seconds=4)).content
+            except ServerGone as exc:
+                return exc
+
+        with ThreadPoolExecutor(2) as threads:
+            first = threads.submit(slow, a)
+            time.sleep(0.3)  # a's call holds one session: b's goes to the other, the least busy
+            second = threads.submit(slow, b)
+            time.sleep(0.5)
+            killed = server_children()[0]
+            os.kill(killed, signal.SIGKILL)
+            killed_at = time.monotonic()
+            done = [first.result(10), second.result(10)]
+            gone = [r for r in done if isinstance(r, ServerGone)]
+            assert len(gone) == 1 and done.count("waited") == 1
+        assert wait_for(lambda: len(server_children()) == 2 and killed not in server_children())  # replaced
+        survivor = a if isinstance(done[1], ServerGone) else b
+        assert survivor.call(call("execute_sql", query="SELECT 7")).content == "[(7,)]"
+        assert time.monotonic() - killed_at < 10
+        c = env.open("add-3", "train", 0)
+        assert c.call(call("submit_answer", answer="4")).reward == 1.0
+        for ep in (a, b, c):
+            ep.close()
+        # every session killed at once: the next call gets a replacement, or opens one itself
+        assert env.pool is not None
+        dead = list(env.pool.sessions)
+        for pid in server_children():
+            os.kill(pid, signal.SIGKILL)
+        assert wait_for(lambda: not any(s.alive for s in dead))
+        d = env.open("add-4", "train", 0)
+        assert d.call(call("execute_sql", query="SELECT 5")).content == "[(5,)]"
+        d.close()
+    finally:
+        env.close()
+    assert wait_for(lambda: server_children() == [])
+
+
+def test_pooled_http_in_parallel_auto_pools_a_stateless_server_and_a_kill_is_an_error(
+        stateless_tasks_file: str, http_server: Any, stateless_http_server: Any) -> None:
+    stateful = McpToolsEnv(McpToolsConfig(url=http_server[0], tasks_file=stateless_tasks_file, sessions="auto"),
+                           name="sql")
+    try:
+        assert stateful.pool is None  # it assigns an Mcp-Session-Id: a session of its own per episode
+    finally:
+        stateful.close()
+    url, proc = stateless_http_server
+    env = McpToolsEnv(McpToolsConfig(url=url, tasks_file=stateless_tasks_file, sessions="auto", pool_size=3,
+                                     startup_timeout_s=3.0), name="sql")
+    try:
+        assert env.pool is not None and len(env.pool.sessions) == 3
+        started = time.monotonic()
+        with ThreadPoolExecutor(8) as threads:
+            rewards = list(threads.map(lambda t: solve_adding(env, t), env.task_ids("train")))
+        assert rewards == [1.0] * 8 and time.monotonic() - started < 3.0
+        ep = env.open("add-0", "train", 0)
+        with ThreadPoolExecutor(1) as threads:
+            slow = threads.submit(ep.call, call("wait", seconds=30))
+            time.sleep(0.5)
+            proc.kill()
+            proc.wait()
+            killed_at = time.monotonic()
+            with pytest.raises(ServerGone):
+                slow.result(10)
+            assert time.monotonic() - killed_at < 5  # the call in flight ends, no hang
+        started = time.monotonic()
+        with pytest.raises(ServerGone):
+            ep.call(call("list_tables"))
+        assert time.monotonic() - started < 8  # no session opens: an error, bounded by startup_timeout_s
+        ep.close()
+    finally:
+        env.close()
+
+
+async def test_over_nats_a_pooled_crash_is_env_error_and_the_other_episodes_go_on(nc, subjects,
+                                                                                stateless_tasks_file: str) -> None:
+    env = McpToolsEnv(McpToolsConfig(server_command=SERVER, tasks_file=stateless_tasks_file, sessions="pooled",
+                                     pool_size=1), name="sql")
+    host = EnvHost(env, EnvConfig(task="sql", max_sessions=8, worker_threads=4), subjects, "env-sql-1")
+    service = await host.serve(nc, nc.jetstream())
+    client = EnvClient(nc, subjects, "sql", timeout_s=30.0)
+
+    def message(name: str, **arguments: Any) -> dict[str, Any]:
+        return {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": name, "arguments": json.dumps(arguments)}}]}
+
+    try:
+        opened = await asyncio.gather(*(client.start(f"s{i}", "add-1") for i in range(3)))
+        r = opened[0].replica_id
+        assert len(server_children()) == 1  # one server for the three episodes
+        crashed = await client.interact(r, "s0", message("crash"), turn=0)
+        assert crashed.finish and crashed.status == "env_error" and crashed.reward == 0.0
+        assert "closed the session" in crashed.messages[0]["content"]
+        went_on = await client.interact(r, "s1", message("execute_sql", query="SELECT 1 + 1"), turn=0)
+        assert not went_on.finish and went_on.messages[0]["content"] == "[(2,)]"
+        solved = await client.interact(r, "s2", message("submit_answer", answer="2"), turn=0)
+        assert solved.finish and solved.status == "completed" and solved.reward == 1.0
+    finally:
+        await service.stop()
+        await host.shutdown()
+    deadline = time.monotonic() + 10
+    while server_children() and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+    assert server_children() == []

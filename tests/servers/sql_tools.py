@@ -1,6 +1,7 @@
 """An MCP tool server written for the tests with PyPI ``mcp``: SQL over an SQLite database of its own per MCP
 session (a stdio process is one session; over streamable HTTP each ``Mcp-Session-Id`` has its own), plus a
-verifier tool. ``python -m tests.servers.sql_tools stdio`` or ``... http PORT``. The tool ``crash`` kills
+verifier tool. ``python -m tests.servers.sql_tools stdio``, ``... http PORT`` or ``... http-stateless PORT``
+(stateless streamable HTTP: no ``Mcp-Session-Id``, one database for every request). The tool ``crash`` kills
 the server (a server that dies mid-episode); ``wait`` is a slow tool."""
 
 from __future__ import annotations
@@ -74,7 +75,8 @@ def crash() -> str:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["http"]:
-        server.run("streamable-http", host="127.0.0.1", port=int(sys.argv[2]))
+    if sys.argv[1:2] in (["http"], ["http-stateless"]):
+        server.run("streamable-http", host="127.0.0.1", port=int(sys.argv[2]),
+                   stateless_http=sys.argv[1] == "http-stateless")
     else:
         server.run()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from shared.config import opt
 
@@ -12,10 +13,19 @@ class McpToolsConfig:
     """[env.mcp] (or any task whose factory is ``services.envs.mcp_tools:make_env``): an MCP server, unchanged."""
 
     server_command: list[str] = opt([], "a stdio MCP server: the program and its arguments, started once per "
-                                        "episode (its own process is the episode's session)")
+                                        "episode (its own process is the episode's session), or pool_size of "
+                                        "them for a pool")
     server_env: dict[str, str] = opt({}, "environment variables for the stdio server, beside the few the MCP SDK "
                                          "passes on (HOME, PATH, ...: never the replica's own)")
-    url: str = opt("", "a streamable-HTTP MCP server (http://host:port/mcp): one MCP session per episode")
+    url: str = opt("", "a streamable-HTTP MCP server (http://host:port/mcp): one MCP session per "
+                       "episode, or pool_size of them for a pool")
+    sessions: Literal["per_episode", "pooled", "auto"] = opt(
+        "per_episode", "per_episode: each episode opens its own MCP session (a stdio process, an HTTP "
+                       "Mcp-Session-Id) | pooled: pool_size open sessions shared by every episode, each call "
+                       "borrowing one (only for a server that keeps no per-session state; tasks with setup "
+                       "are refused) | auto: pooled where the HTTP server assigns no Mcp-Session-Id, else "
+                       "per_episode (nothing in MCP lets a stdio server declare itself stateless)")
+    pool_size: int = opt(4, "sessions = pooled: how many sessions the pool keeps open", ge=1)
     protocol: str = opt("legacy", "legacy: MCP's initialize handshake, one Mcp-Session-Id per episode (what "
                                   "servers keeping per-session state need) | auto: try the sessionless 2026 "
                                   "protocol first, then legacy")

@@ -3,7 +3,10 @@ gives the prompts, a grader the reward.
 
 * **session**: every episode opens its own MCP session (a stdio server is started for it; an HTTP
   server gives it an ``Mcp-Session-Id``) and closes it when the episode ends, is cancelled or times out
-  idle, so one episode's state never leaks into another's;
+  idle, so one episode's state never leaks into another's; or, for a server that keeps no per-session
+  state (``sessions = "pooled"``, or ``auto`` and an HTTP server that assigns no session id), the
+  episodes share a pool of open sessions, each call borrowing one, and an episode's own state is what
+  the episode holds (its task, its transcript);
 * **tools**: as the episode's session lists them (name, description, ``inputSchema`` as the function's
   parameters), less ``hide_tools`` and a verifier, plus ``submit_answer(answer)``, which ends the episode;
 * **a call**: its content blocks become the tool result; a result the server marks ``isError`` is shown
@@ -21,7 +24,7 @@ import structlog
 
 from services.envs.base import Episode, TaskEnv, TaskLevel, ToolCall, ToolError, ToolResult
 from services.envs.mcp_tools.config import McpToolsConfig
-from services.envs.mcp_tools.session import LoopThread, McpSession
+from services.envs.mcp_tools.session import LoopThread, McpSession, SessionPool
 from services.envs.mcp_tools.tasks import (
     BUILT_IN,
     VERIFIER,
@@ -67,8 +70,13 @@ class McpEpisode(Episode):
         self.max_turns = self.settings.max_turns
         self.transcript: list[dict[str, Any]] = []
         self.tool_errors = 0
-        self.session = McpSession(env.loop, env.target, self.settings.protocol, self.settings.startup_timeout_s)
-        env.sessions.add(self.session)
+        self.own_session = env.pool is None  # a pooled episode borrows a session for each call instead
+        self.session: McpSession | SessionPool
+        if env.pool is not None:
+            self.session = env.pool
+        else:
+            self.session = McpSession(env.loop, env.target, self.settings.protocol, self.settings.startup_timeout_s)
+            env.sessions.add(self.session)
         try:
             listed = self.session.list_tools(self.settings.startup_timeout_s)
             for step in task.setup:
@@ -126,8 +134,10 @@ class McpEpisode(Episode):
                           status=EpisodeStatus.COMPLETED, metrics={"tool_errors": float(self.tool_errors)})
 
     def close(self) -> None:
-        self.session.close()
-        self.env.sessions.discard(self.session)
+        if self.own_session:
+            assert isinstance(self.session, McpSession)
+            self.session.close()
+            self.env.sessions.discard(self.session)
 
 
 class McpToolsEnv(TaskEnv):
@@ -147,19 +157,39 @@ class McpToolsEnv(TaskEnv):
                 "required": ["answer"], "additionalProperties": False}}}
         self.loop = LoopThread(f"mcp-{name}")
         self.sessions: set[McpSession] = set()  # open ones; any left at close are closed with the replica
+        self.pool: SessionPool | None = None
         try:
             self._check_server()
         except BaseException:
-            self.loop.close()
+            self.close()
             raise
 
     def _check_server(self) -> None:
-        """One session at start: the server answers, the answer tool is free, the verifiers exist."""
+        """One session at start: the server answers, the answer tool is free, the verifiers exist; then the
+        pool, where the episodes share one."""
         session = McpSession(self.loop, self.target, self.settings.protocol, self.settings.startup_timeout_s)
         try:
             names = {t.name for t in session.list_tools(self.settings.startup_timeout_s)}
         finally:
             session.close()
+        with_setup = sorted(t.id for t in self.tasks.values() if t.setup)
+        mode = self.settings.sessions
+        if mode == "auto":
+            # MCP's one standard word on state: a streamable-HTTP server MAY assign an Mcp-Session-Id; one that
+            # does not (stateless HTTP, the sessionless protocol) has no per-session state for a session of an
+            # episode's own to isolate. A stdio process is its session: nothing declares it stateless.
+            sessionless = isinstance(self.target, str) and session.http_session_id is None
+            mode = "pooled" if sessionless and not with_setup else "per_episode"
+        elif mode == "pooled" and with_setup:
+            raise ValueError(f"env.{self.name}.sessions = pooled: task(s) {', '.join(with_setup[:5])} have setup "
+                             "calls, which give an episode server-side state of its own; use per_episode")
+        self._check_tools(names)
+        if mode == "pooled":
+            self.pool = SessionPool(self.loop, self.target, self.settings.protocol, self.settings.pool_size,
+                                    self.settings.startup_timeout_s)
+        log.info("mcp_server_checked", task=self.name, tools=len(names), tasks=len(self.tasks), sessions=mode)
+
+    def _check_tools(self, names: set[str]) -> None:
         if self.settings.answer_tool in names:
             raise ValueError(f"env.{self.name}.answer_tool {self.settings.answer_tool!r} is also a tool of the "
                              f"server: choose another name")
@@ -167,7 +197,6 @@ class McpToolsEnv(TaskEnv):
         if missing:
             raise ValueError(f"env.{self.name}: verifier tool(s) {', '.join(missing)} not offered by the server "
                              f"(its tools: {', '.join(sorted(names))})")
-        log.info("mcp_server_checked", task=self.name, tools=len(names), tasks=len(self.tasks))
 
     def task_ids(self, split: str) -> list[str]:
         return list(self.splits.get(split, []))
@@ -199,5 +228,7 @@ class McpToolsEnv(TaskEnv):
     def close(self) -> None:
         for session in list(self.sessions):
             session.close()
+        if self.pool is not None:
+            self.pool.close()
         self.loop.close()
 
