@@ -19,7 +19,8 @@
     jetrl config --markdown [--check]   # the config reference page, docs/reference/config.md
     jetrl env-check TASK [--config FILE]   # a task's env against the env contract: oracle, bad calls, cancel
     jetrl topology [--config FILE]   # declare streams and buckets as the NATS admin (compose)
-    jetrl secrets [--env compose/.env]   # per-role NATS passwords + status API token for compose
+    jetrl secrets [--env compose/.env] [--replicas rollout=N]   # compose's NATS users (one per role and
+                                        # per replica), status API token, signing keys
     jetrl schema [--check]   # message schemas (docs/schemas/) and the env protocol's field tables
 
 ``up`` starts an embedded nats-server (unless ``nats.url`` is set) and every service as its own
@@ -132,7 +133,16 @@ def _main(argv: list[str]) -> int:
     topology.add_argument("--config", default=None)
     secrets_cmd = sub.add_parser("secrets", help="random NATS passwords per role and a status API token, as an "
                                                  "env file for compose")
-    secrets_cmd.add_argument("--env", default="compose/.env", help="env file to write (kept if it exists)")
+    secrets_cmd.add_argument("--env", default="compose/.env", help="env file to write (kept if it exists); the "
+                                                                   "nats-server's users file goes beside it")
+    secrets_cmd.add_argument("--replicas", action="append", metavar="SERVICE=N",
+                             help="replica users to make for a scalable service (rollout, env-<task>): one per "
+                                  "replica `--scale SERVICE=N` runs, plus room for restarts (default: "
+                                  "max(8, the compose file's deploy.replicas)); repeatable")
+    secrets_cmd.add_argument("--compose", default="", help="the compose file whose scalable services get replica "
+                                                           "users (default: docker-compose.yml beside --env)")
+    secrets_cmd.add_argument("--prefix", default="jetrl", help="the run's JETRL__NATS__PREFIX: the users' "
+                                                               "permissions name it")
     schema = sub.add_parser("schema", help="the message schemas (JSON Schema) and the env protocol's field "
                                            "tables, from shared/messages/; --check: fail if out of date")
     add_schema_arguments(schema)

@@ -21,8 +21,8 @@ Roles and what they may do (JetStream API, KV and object-store internals include
 
 No service role creates a durable consumer, and none reads back (consumer, direct get) a stream it writes
 (see the table's comment). Every user but admin gets its own inbox prefix (``_INBOX_<user>``): a role's
-user, and under ``jetrl up`` one user per replica (``rollout-0``, ``env-sql-1``: ``replica_user``), so no role
-or replica can read another's replies; ``allow_responses`` lets responders answer only requests they
+user, and under ``jetrl up`` and compose one user per replica (``rollout-0``, ``env-sql-1``: ``replica_user``,
+``replica_users``), so no role or replica can read another's replies; ``allow_responses`` lets responders answer only requests they
 received. Every service user may write its role's registry keys (a replica's user: its own key alone) and
 publish dead letters.
 """
@@ -87,6 +87,14 @@ def replica_user(service: str) -> str:
     if user_role(user) is None:
         raise AuthError(f"service {service!r} has no role (its name must start with one of {', '.join(ROLES)})")
     return user
+
+
+def replica_users(service: str, count: int) -> list[str]:
+    """The replica users of a service that scales under compose (``rollout``: ``rollout-0`` ... ; ``env-db``:
+    ``env-db-0`` ...), named as ``jetrl up`` names the replicas it starts."""
+    if user_role(service) in (None, "admin", "observer", "trainer", "controller"):
+        raise AuthError(f"service {service!r} does not scale: replica users are for rollout and env-<task>")
+    return [f"{service}-{i}" for i in range(count)]
 
 
 def run_users(replicas: list[str] | tuple[str, ...] = ()) -> dict[str, str]:
@@ -272,6 +280,11 @@ def credentials(cfg: NatsConfig, role: str | None) -> Credentials:
     else nothing (an open server)."""
     if cfg.creds_file:
         return Credentials(creds_file=cfg.creds_file)
+    if cfg.user and cfg.replica_passwords and not (cfg.password or cfg.password_file):
+        # one of several replica users not claimed yet (a service claims one as it connects, shared/bus.py's
+        # claim_replica_user): a client that only reads, a container's healthcheck, connects as the first
+        user = replica_users(cfg.user, 1)[0]
+        return Credentials(user=user, password=cfg.replica_passwords[0], inbox_prefix=inbox_prefix(user))
     if cfg.user:
         password = cfg.password
         if not password and cfg.password_file:
@@ -325,20 +338,30 @@ def controller_token(cfg: ControllerConfig) -> str:
     return _read_secret(cfg.http_token_file, "controller.http_token_file")
 
 
-COMPOSE_HEADER = """\
-# nats-server configuration for compose/docker-compose.yml: one user per JetRL role, with the subject
-# permissions of shared/auth.py. Generated, do not edit: python -m shared.auth > compose/nats-server.conf
-# Passwords come from the environment (JETRL_NATS_<ROLE>_PASSWORD; `jetrl secrets` writes compose/.env);
-# the server refuses to start without them, and a client without credentials is not let in.
+COMPOSE_USERS_FILE = "users.conf"
+"""Where compose's nats-server finds its ``authorization`` block: beside its config (/etc/nats/), mounted from
+the file `jetrl secrets` writes (compose/nats-users.conf; JETRL_NATS_USERS_FILE in compose/.env)."""
+
+COMPOSE_HEADER = f"""\
+# nats-server configuration for compose/docker-compose.yml. Generated, do not edit:
+# python -m shared.auth > compose/nats-server.conf
+# The users come from {COMPOSE_USERS_FILE} beside this file: `jetrl secrets` writes it (compose/nats-users.conf,
+# mounted there) with one user per JetRL role and one per replica of each scalable service (rollout-0, env-db-1,
+# ...), their subject permissions from shared/auth.py and their passwords. The server refuses to start without
+# it, and a client without credentials is not let in.
 """
 
 
-if __name__ == "__main__":  # the compose config, for the default prefix
-    import sys
-
-    prefix = sys.argv[1] if len(sys.argv) > 1 else "jetrl"
+def compose_server_conf() -> str:
+    """compose/nats-server.conf: the server settings every compose nats-server shares; the users are included."""
     from shared.messages import MAX_MESSAGE_BYTES
 
     # max_payload is a config-file setting, not a nats-server flag: the codec's largest message must pass
     payload = MAX_MESSAGE_BYTES + 64 * 1024  # as shared/natsd.py: the codec's limit plus headers
-    sys.stdout.write(COMPOSE_HEADER + f"max_payload: {payload}\n" + server_authorization(Subjects(prefix)))
+    return COMPOSE_HEADER + f"max_payload: {payload}\ninclude ./{COMPOSE_USERS_FILE}\n"
+
+
+if __name__ == "__main__":  # compose/nats-server.conf
+    import sys
+
+    sys.stdout.write(compose_server_conf())

@@ -27,11 +27,11 @@ from nats.js.api import (
     StorageType,
     StreamConfig,
 )
-from nats.js.errors import BadRequestError, NotFoundError
+from nats.js.errors import BadRequestError, KeyWrongLastSequenceError, NotFoundError
 from nats.js.kv import KeyValue
 from nats.js.object_store import ObjectStore
 
-from shared.auth import credentials, manages_topology, user_role
+from shared.auth import credentials, manages_topology, replica_users, user_role
 from shared.config import NatsConfig
 from shared.messages import MAX_MESSAGE_BYTES, Heartbeat, MetricsReport, encode, now
 from shared.subjects import Subjects, role_family
@@ -238,8 +238,9 @@ async def publish_metrics(nc: Client, subjects: Subjects, role: str, replica_id:
 
 def replica_name(role: str, cfg: NatsConfig | None = None) -> str:
     """A replica id unique on this cluster: one replica's own NATS user where it has one (``jetrl up`` gives
-    each service its own: ``rollout-0``; the registry then lets it write that key alone), else role, host and
-    pid (subject-token safe)."""
+    each service its own: ``rollout-0``; the registry then lets it write that key alone; a compose replica
+    claims one as it connects, ``claim_replica_user``, and takes its name then), else role, host and pid
+    (subject-token safe)."""
     if cfg is not None and cfg.user and user_role(cfg.user) == role_family(role) != cfg.user:
         return cfg.user
     host = socket.gethostname().split(".")[0].replace("_", "-")
@@ -248,6 +249,45 @@ def replica_name(role: str, cfg: NatsConfig | None = None) -> str:
         # has the host's hostname: two replicas of a role would share an id. A random token keeps them apart.
         return f"{role}-{host}-{os.getpid()}-{os.urandom(3).hex()}"
     return f"{role}-{host}-{os.getpid()}"
+
+
+async def claim_replica_user(cfg: NatsConfig, service: str, subjects: Subjects, *, wait_s: float = 300.0) -> str:
+    """Make ``cfg`` one of ``service``'s replica users (``nats.user`` ``rollout`` with ``nats.replica_passwords``:
+    ``rollout-0``, ``rollout-1``, ...), the first no live replica holds, and return its name: this replica's id.
+
+    Compose's ``--scale`` starts identical containers with no index of their own, so each claims a user here:
+    as that user (only it may write that key, shared/auth.py) it creates its registry key, which the server
+    creates only where none is live. The claim is its first heartbeat; its key expires with its heartbeats
+    (``nats.heartbeat_ttl_s``), so a restarted container takes a free user, or this one once the old key
+    expired. Waits up to ``wait_s`` for the topology (the admin declares the registry) or a free user."""
+    users = replica_users(cfg.user, len(cfg.replica_passwords))
+    deadline = time.monotonic() + wait_s
+    while True:
+        waiting_for = "a free replica user"
+        for user, password in zip(users, cfg.replica_passwords, strict=True):
+            trial = dataclasses.replace(cfg, user=user, password=password, replica_passwords=[])
+            nc = await connect(trial, f"{user}-claim")
+            try:
+                kv = await nc.jetstream(timeout=5.0).key_value(subjects.registry_kv)
+                beat = Heartbeat(role=service, replica_id=user, pid=os.getpid(), host=socket.gethostname(),
+                                 started_at=now(), info={"state": "starting"})
+                await kv.create(Subjects.registry_key(service, user), encode(beat))
+            except KeyWrongLastSequenceError:
+                continue  # a live replica holds this one
+            except NotFoundError:
+                waiting_for = "the registry (the topology service declares it)"
+                break
+            finally:
+                await nc.close()
+            cfg.user, cfg.password, cfg.replica_passwords = user, password, []
+            return user
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{service}: no replica user free after {wait_s:.0f} s: all {len(users)} of "
+                               f"{users[0]}..{users[-1]} are held by live replicas (scaled past them? `jetrl secrets "
+                               f"--replicas {service}=N` makes more)" if waiting_for.startswith("a free") else
+                               f"{service}: waited {wait_s:.0f} s for {waiting_for}")
+        log.info("waiting_for_replica_user", service=service, waiting_for=waiting_for, users=len(users))
+        await asyncio.sleep(2.0)
 
 
 async def heartbeat_loop(js: JetStreamContext, subjects: Subjects, role: str, replica_id: str,

@@ -22,10 +22,11 @@ from contextlib import AsyncExitStack
 from types import TracebackType
 from typing import Any
 
+import structlog
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 
-from shared.bus import connect, declare_topology, heartbeat_loop
+from shared.bus import claim_replica_user, connect, declare_topology, heartbeat_loop
 from shared.config import JetRLConfig
 from shared.lifecycle import close_connection, install_stop, stop_if_connection_closed, supervise
 from shared.log import setup_logging
@@ -65,7 +66,13 @@ class Service:
 
     async def connect(self) -> None:
         """Connect to NATS (drained, or closed, as the service exits), stop the service if the server
-        closes the connection, and declare what of the topology this role declares."""
+        closes the connection, and declare what of the topology this role declares. A service given several
+        replica users (compose: ``nats.replica_passwords``) first claims one, and is that replica from then on."""
+        if self.cfg.nats.replica_passwords:
+            users = len(self.cfg.nats.replica_passwords)
+            self.replica_id = await claim_replica_user(self.cfg.nats, self.name, self.subjects)
+            structlog.contextvars.bind_contextvars(replica_id=self.replica_id)
+            self.log.info("replica_user_claimed", user=self.replica_id, of=users)
         self.nc = await connect(self.cfg.nats, self.replica_id, role=self.role)
         self.stack.push_async_callback(close_connection, self.nc)
         self.background("connection_watch", stop_if_connection_closed(self.nc, self.stop), restart_s=None)

@@ -24,6 +24,10 @@ class NatsConfig:
     stream_replicas: int = opt(1, "JetStream replicas per stream and bucket (3 on a 3-node cluster: one node may "
                                   "die without losing a message)", ge=1)
     password_file: str = opt("", "file holding the password for `user` (a Docker secret), instead of `password`")
+    replica_passwords: list[str] = opt([], "passwords of the replica users <user>-0, <user>-1, ... (compose: "
+                                           "`jetrl secrets` makes them, one list per scalable service): the "
+                                           "service takes the first no live replica holds and is that replica "
+                                           "(its registry key, its inbox); `password` stays empty")
     auth_dir: str = opt("", "directory of per-role passwords (<role>.password, as jetrl up writes them): each "
                             "service connects as the user named after its role (shared/auth.py)")
     embedded_auth: bool = opt(True, "jetrl up's embedded nats-server has one user per role with subject "

@@ -156,29 +156,43 @@ def test_credentials_come_from_the_config_files_or_the_environment(tmp_path: Pat
 
 
 def test_the_shipped_compose_config_is_the_generated_one() -> None:
-    """compose/nats-server.conf is written by shared.auth (python -m shared.auth > ...): one definition."""
+    """compose/nats-server.conf is written by shared.auth (python -m shared.auth > ...): one definition; its users
+    come from the file `jetrl secrets` writes (server_authorization, the same definition)."""
+    from shared.auth import COMPOSE_USERS_FILE, compose_server_conf
+
     shipped = (REPO / "compose" / "nats-server.conf").read_text()
-    assert server_authorization(Subjects("jetrl")) in shipped
+    assert shipped == compose_server_conf() and f"\ninclude ./{COMPOSE_USERS_FILE}\n" in shipped
 
 
-ROLE_OF_SERVICE = {"topology": "admin", "controller": "controller", "trainer": "trainer", "trainer-ranks": "trainer",
-                   "rollout": "rollout"}
+ROLE_OF_SERVICE = {"topology": "admin", "controller": "controller", "trainer": "trainer", "trainer-ranks": "trainer"}
 
 
-def test_compose_connects_every_service_as_its_role_and_exposes_nothing_open() -> None:
+def test_compose_connects_every_service_as_its_role_or_its_own_replica_user_and_exposes_nothing_open() -> None:
+    """The trainer, the controller and the topology connect as their role; each scalable service (rollout,
+    env-<task>) gets its replica users' passwords (`jetrl secrets`) and no role password: each replica claims
+    its own user (tests/shared/test_auth.py's claim test, make test-compose for real)."""
     import yaml
 
     services = yaml.safe_load((REPO / "compose" / "docker-compose.yml").read_text())["services"]
     nats_svc = services.pop("nats")
     assert nats_svc["command"][:2] == ["-c", "/etc/nats/jetrl.conf"]
     assert "./nats-server.conf:/etc/nats/jetrl.conf:ro" in nats_svc["volumes"]
+    assert any(v.startswith("${JETRL_NATS_USERS_FILE:?") and v.endswith("}:/etc/nats/users.conf:ro")
+               for v in nats_svc["volumes"]), nats_svc["volumes"]
     assert nats_svc["ports"] == ["4222:4222"]  # authenticated; monitoring (8222) stays inside
-    assert {f"JETRL_NATS_{r.upper()}_PASSWORD" for r in ROLES} <= set(nats_svc["environment"])
+    assert not any("PASSWORD" in k for k in nats_svc.get("environment", {}))  # passwords in the users file only
     for name, svc in services.items():
         env = svc["environment"]
-        assert env["JETRL__NATS__USER"] == ROLE_OF_SERVICE.get(name, "env"), name
-        role = env["JETRL__NATS__USER"]
-        assert env["JETRL__NATS__PASSWORD"].startswith(f"${{JETRL_NATS_{role.upper()}_PASSWORD:?"), name
+        if name == "rollout" or name.startswith("env-"):  # scales: one user per replica
+            assert env["JETRL__NATS__USER"] == name, name
+            var = f"JETRL_NATS_{name.upper().replace('-', '_')}_REPLICA_PASSWORDS"
+            assert env["JETRL__NATS__REPLICA_PASSWORDS"].startswith(f"${{{var}:?"), name
+            assert "JETRL__NATS__PASSWORD" not in env, name
+            role = "rollout" if name == "rollout" else "env"
+        else:
+            assert env["JETRL__NATS__USER"] == ROLE_OF_SERVICE[name], name
+            role = env["JETRL__NATS__USER"]
+            assert env["JETRL__NATS__PASSWORD"].startswith(f"${{JETRL_NATS_{role.upper()}_PASSWORD:?"), name
         for signer in ("TRAINER", "CONTROLLER"):  # every role checks the signers' control messages
             assert env[f"JETRL__NATS__{signer}_PUBLIC_KEY"].startswith(f"${{JETRL_{signer}_PUBLIC_KEY:?"), name
         signs = role if role in ("trainer", "controller") else None  # and only a signer holds its private key
@@ -189,19 +203,32 @@ def test_compose_connects_every_service_as_its_role_and_exposes_nothing_open() -
 
 
 def test_the_compose_server_config_runs_and_lets_in_only_its_users(tmp_path: Path) -> None:
-    """The shipped config on a real nats-server: it refuses to start without the passwords in its
-    environment, and with them admits each role by its password and nobody without one."""
+    """The shipped config on a real nats-server, as compose mounts it: it refuses to start without the users file
+    beside it, and with the one `jetrl secrets` wrote admits each role and each replica user by its own password,
+    and nobody without one or with another's."""
+    import shutil
+
+    from jetrl.cli import main as jetrl_main
+    from jetrl.compose_secrets import replica_passwords
+    from shared.auth import password_env_var
     from shared.natsd import find_nats_server
 
-    binary, conf = find_nats_server(), str(REPO / "compose" / "nats-server.conf")
+    etc = tmp_path / "etc"
+    etc.mkdir()
+    shutil.copy(REPO / "compose" / "nats-server.conf", etc / "jetrl.conf")
+    binary, conf = find_nats_server(), str(etc / "jetrl.conf")
     cmd = [binary, "-c", conf, "-js", "-sd", str(tmp_path / "js"), "-a", "127.0.0.1", "-p", "-1",
            "--ports_file_dir", str(tmp_path)]
-    bare = subprocess.run(cmd, capture_output=True, text=True, timeout=30,
-                          env={k: v for k, v in os.environ.items() if not k.startswith("JETRL_NATS_")})
-    assert bare.returncode != 0 and "JETRL_NATS_" in bare.stderr + bare.stdout
-    passwords = {role: f"pw-{role}-{uuid.uuid4().hex[:8]}" for role in ROLES}
-    env = dict(os.environ, **{f"JETRL_NATS_{r.upper()}_PASSWORD": pw for r, pw in passwords.items()})
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    bare = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+    assert bare.returncode != 0 and "users.conf" in bare.stderr + bare.stdout
+    assert jetrl_main(["secrets", "--env", str(tmp_path / ".env"), "--replicas", "rollout=3"]) == 0
+    shutil.copy(tmp_path / "nats-users.conf", etc / "users.conf")  # compose mounts it there
+    secrets = dict(line.split("=", 1) for line in (tmp_path / ".env").read_text().splitlines() if "=" in line)
+    passwords = {role: secrets[password_env_var(role)] for role in ROLES}
+    replicas = replica_passwords(secrets, "rollout") | replica_passwords(secrets, "env-db")
+    assert sorted(replica_passwords(secrets, "rollout")) == ["rollout-0", "rollout-1", "rollout-2"]
+    assert len(replica_passwords(secrets, "env-db")) == 8  # the default for a service --replicas does not name
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 20
         while not list(tmp_path.glob("*.ports")) and time.monotonic() < deadline:
@@ -210,10 +237,12 @@ def test_the_compose_server_config_runs_and_lets_in_only_its_users(tmp_path: Pat
         url = json.loads(next(tmp_path.glob("*.ports")).read_text())["nats"][0]
 
         async def check() -> None:
-            for role, pw in passwords.items():
+            for role, pw in (passwords | replicas).items():
                 client = await nats.connect(url, user=role, password=pw, allow_reconnect=False, connect_timeout=3)
                 await client.close()
-            for kwargs in ({}, {"user": "trainer", "password": passwords["rollout"]}):
+            for kwargs in ({}, {"user": "trainer", "password": passwords["rollout"]},
+                           {"user": "rollout-1", "password": replicas["rollout-0"]},
+                           {"user": "rollout-3", "password": replicas["rollout-0"]}):  # no fourth replica user
                 with pytest.raises(nats.errors.Error, match="Authorization Violation"):
                     await nats.connect(url, allow_reconnect=False, connect_timeout=3, **kwargs)
 
@@ -309,6 +338,41 @@ async def test_an_observer_reads_the_trajectory_stream_but_cannot_publish_or_ste
         errors.refused()
     for client in (trainer, observer, rollout):
         await client.close()
+
+
+async def test_replicas_of_one_service_claim_distinct_replica_users(
+        auth_server: tuple[str, Path, Path], admin: Client) -> None:
+    """Compose's `--scale rollout=N` gives every container the same settings: the service's replica users'
+    passwords (nats.replica_passwords). Replicas starting at once each claim their own user (its registry key,
+    created only where none is live); with every user held a further one is refused; a user whose key is gone
+    (its replica dead, its heartbeats expired) is claimed again. A client that only reads (a healthcheck)
+    connects as the first."""
+    from shared.auth import credentials
+    from shared.bus import claim_replica_user
+
+    url, auth_dir, _ = auth_server
+    s = Subjects(PREFIX)
+    passwords = [(auth_dir / f"rollout-{i}.password").read_text().strip() for i in (0, 1)]
+
+    def scaled() -> NatsConfig:  # what each container's environment says
+        return NatsConfig(url=url, prefix=PREFIX, user="rollout", replica_passwords=list(passwords), connect_timeout_s=3)
+
+    assert credentials(scaled(), "rollout").user == "rollout-0"  # unclaimed: the first, for reading
+    configs = [scaled(), scaled()]
+    claimed = await asyncio.gather(*(claim_replica_user(cfg, "rollout", s) for cfg in configs))
+    assert sorted(claimed) == ["rollout-0", "rollout-1"]
+    for cfg, user in zip(configs, claimed, strict=True):  # each config is now that replica's own
+        assert (cfg.user, cfg.password, cfg.replica_passwords) == (user, passwords[int(user[-1])], [])
+        assert credentials(cfg, "rollout").inbox_prefix == f"_INBOX_{user}"
+    with pytest.raises(RuntimeError, match="no replica user free"):
+        await claim_replica_user(scaled(), "rollout", s, wait_s=0.5)
+    registry = await admin.jetstream().key_value(s.registry_kv)
+    await registry.delete(Subjects.registry_key("rollout", "rollout-1"))  # its replica gone
+    again = scaled()
+    assert await claim_replica_user(again, "rollout", s, wait_s=0.5) == "rollout-1"
+    nc = await connect(again, "rollout-1")  # and it connects as that user
+    await nc.jetstream().publish(s.registry_entries("rollout", "rollout-1"), b"{}")
+    await nc.close()
 
 
 # ---------------------------------------------------------------------------- the controller

@@ -220,50 +220,41 @@ def test_cluster_local_profile_gives_each_node_its_own_loopback_ports() -> None:
         assert [port(u) for u in cfg.nats.url.split(",")] == clients, name
 
 
-def test_secrets_passwords_stay_strings_in_the_compose_nats_conf(tmp_path: Path) -> None:
-    """compose/nats-server.conf reads each role's password from the environment (`$JETRL_NATS_<ROLE>_PASSWORD`),
-    and nats-server parses such a value as a config value: a bare token_urlsafe starting with `-` (or a digit
-    and a `-`) became a number or a date and the server refused to start (one `make test-compose` start in
-    ten). 300 passwords of shared.auth.env_password pass `nats-server -t` on the conf, and a server started from
-    a `jetrl secrets` file lets every role in with its password."""
-    import asyncio
-    import socket
-
-    import nats
+def test_secrets_make_a_user_per_replica_of_each_scalable_service_that_the_server_takes(tmp_path: Path) -> None:
+    """`jetrl secrets` writes compose/.env and, beside it, the users file compose/nats-server.conf includes: every
+    role's user and, for each scalable service of the compose file (rollout, env-<task>), one user per replica
+    (`--replicas SERVICE=N`, else the default), both 0600. nats-server takes the pair (`-t`); an unknown
+    service is refused; an existing env file is kept."""
+    import shutil
+    import stat
 
     from jetrl.cli import main as jetrl_main
-    from shared.auth import ROLES, env_password, password_env_var
+    from jetrl.compose_secrets import DEFAULT_REPLICA_USERS, USERS_FILE_ENV, replica_passwords
     from shared.natsd import find_nats_server
 
-    binary, conf = find_nats_server(), str(REPO / "compose" / "nats-server.conf")
-    for _ in range(300 // len(ROLES)):
-        env = {password_env_var(role): env_password() for role in ROLES}
-        proc = subprocess.run([binary, "-c", conf, "-t"], env=env, capture_output=True, text=True)
-        assert proc.returncode == 0 and "is valid" in proc.stdout + proc.stderr, (env, proc.stdout + proc.stderr)
-
     env_file = tmp_path / ".env"
-    assert jetrl_main(["secrets", "--env", str(env_file)]) == 0
+    assert jetrl_main(["secrets", "--env", str(env_file), "--replicas", "rollout=3", "--replicas", "env-db=2"]) == 0
+    users_file = tmp_path / "nats-users.conf"
+    assert stat.S_IMODE(env_file.stat().st_mode) == stat.S_IMODE(users_file.stat().st_mode) == 0o600
     secrets = dict(line.split("=", 1) for line in env_file.read_text().splitlines() if "=" in line)
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    server = subprocess.Popen([binary, "-c", conf, "-a", "127.0.0.1", "-p", str(port)], env=secrets,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    assert secrets[USERS_FILE_ENV] == str(users_file.resolve())  # not beside the compose files: absolute
+    services = yaml.safe_load(COMPOSE.read_text())["services"]
+    scalable = [name for name in services if name == "rollout" or name.startswith("env-")]
+    counts = {name: len(replica_passwords(secrets, name)) for name in scalable}
+    assert counts == {name: {"rollout": 3, "env-db": 2}.get(name, DEFAULT_REPLICA_USERS) for name in scalable}
+    users = users_file.read_text()
+    for name in scalable:
+        for user, password in replica_passwords(secrets, name).items():
+            assert f'{{user: "{user}", password: "{password}"' in users
+    assert 'user: "rollout-3"' not in users and 'user: "observer"' in users
+    etc = tmp_path / "etc"
+    etc.mkdir()
+    shutil.copy(REPO / "compose" / "nats-server.conf", etc / "jetrl.conf")
+    shutil.copy(users_file, etc / "users.conf")
+    proc = subprocess.run([find_nats_server(), "-c", str(etc / "jetrl.conf"), "-t"], capture_output=True, text=True)
+    assert proc.returncode == 0 and "is valid" in proc.stdout + proc.stderr, proc.stdout + proc.stderr
 
-    async def let_in(role: str) -> bool:
-        for _ in range(50):  # the server may still be starting
-            try:
-                nc = await nats.connect(f"nats://127.0.0.1:{port}", user=role, allow_reconnect=False,
-                                        password=secrets[password_env_var(role)], connect_timeout=2)
-            except (OSError, nats.errors.NoServersError):
-                await asyncio.sleep(0.1)
-                continue
-            await nc.close()
-            return True
-        return False
-
-    try:
-        assert all(asyncio.run(let_in(role)) for role in ROLES), server.poll()
-    finally:
-        server.terminate()
-        server.wait(timeout=10)
+    before = env_file.read_text()
+    assert jetrl_main(["secrets", "--env", str(env_file)]) == 0 and env_file.read_text() == before
+    assert jetrl_main(["secrets", "--env", str(tmp_path / "other" / ".env"), "--replicas", "trainer=2"]) == 2
+    assert not (tmp_path / "other").exists()  # refused before anything is written

@@ -1,8 +1,9 @@
 """`docker compose up` for real (`make test-compose`): the local-test profile (compose/docker-compose.local.yml,
-host networking, free loopback ports) trains on the tiny config with two rollout replicas; a third replica
-added mid-run takes jobs; a killed rollout container does not stop the run; `down -v` leaves nothing. The
-3-node JetStream cluster (compose/docker-compose.cluster.yml on the same profile) loses a node mid-run and the
-run finishes with no episode lost or stored twice.
+host networking, free loopback ports) trains on the tiny config with two rollout replicas, each replica of a
+scaled service connected as its own NATS user; every attack road of tests/system/attack_roads.py is refused while
+it trains on; a third replica added mid-run takes jobs; a killed rollout container does not stop the run;
+`down -v` leaves nothing. The 3-node JetStream cluster (compose/docker-compose.cluster.yml on the same profile)
+loses a node mid-run and the run finishes with no episode lost or stored twice.
 
 Runs only under `make test-compose` (JETRL_COMPOSE_TEST=1: it builds or reuses the images and takes minutes),
 and skips with the reason where no Docker engine or compose v2 can run. Figures (seconds from `up`, steps,
@@ -29,9 +30,12 @@ from typing import Any
 
 import pytest
 
+from jetrl.compose_secrets import replica_passwords
+from shared.auth import password_env_var
 from shared.bus import connect
 from shared.config import NatsConfig
 from shared.subjects import Subjects
+from tests.system.attack_roads import attack, check_refused
 from tests.system.test_faults import count_episodes
 
 REPO = Path(__file__).resolve().parents[2]
@@ -121,10 +125,32 @@ def roles(status: dict[str, Any]) -> dict[str, int]:
     return out
 
 
+def container_logs(container: str) -> str:
+    proc = subprocess.run(["docker", "logs", container], capture_output=True, text=True, timeout=60)
+    return proc.stdout + proc.stderr
+
+
 def episodes_done(container: str) -> int:
     """Episodes a rollout container finished, from its JSON logs (the worker logs every one)."""
-    proc = subprocess.run(["docker", "logs", container], capture_output=True, text=True, timeout=60)
-    return sum('"episode_done"' in line for line in (proc.stdout + proc.stderr).splitlines())
+    return sum('"episode_done"' in line for line in container_logs(container).splitlines())
+
+
+def replica_ids(status: dict[str, Any], role: str) -> list[str]:
+    return sorted(r["replica_id"] for r in status["replicas"] if r["role"] == role)
+
+
+def connection_users(monitor_port: int) -> dict[str, str]:
+    """Connection name (a service's replica id) -> the NATS user it was let in as, from the server's /connz."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{monitor_port}/connz?auth=true&limit=1024", timeout=5) as resp:
+        conns = json.loads(resp.read())["connections"] or []
+    return {c.get("name", ""): c.get("authorized_user", "") for c in conns}
+
+
+def compose_password(secrets: dict[str, str]) -> Callable[[str], str]:
+    """A user's password from `jetrl secrets`' env file: a role's, or one replica user's."""
+    replicas = {user: pw for service in ("rollout", "env-db", "env-kg", "env-webshop")
+                for user, pw in replica_passwords(secrets, service).items()}
+    return lambda user: replicas[user] if user in replicas else secrets[password_env_var(user)]
 
 
 @contextlib.contextmanager
@@ -176,7 +202,7 @@ def stack() -> Iterator[Stack]:
         yield s
 
 
-def test_compose_trains_scales_and_survives_a_kill(stack: Stack) -> None:
+def test_compose_trains_refuses_every_attack_scales_and_survives_a_kill(stack: Stack) -> None:
     s = stack
     s.t0 = time.monotonic()
     s.compose("up", "-d", "--no-build", "--scale", "rollout=2", *SERVICES, timeout=600)
@@ -191,6 +217,31 @@ def test_compose_trains_scales_and_survives_a_kill(stack: Stack) -> None:
     t_first = time.monotonic()
     st = s.wait("two more training steps", lambda st: st["policy_version"] >= first_step + 2, 600)
     s.figures["s_per_step_2_replicas"] = round((time.monotonic() - t_first) / (st["policy_version"] - first_step), 1)
+
+    # each replica of a scaled service claimed its own NATS user (`jetrl secrets`' replica users): its replica
+    # id is that user, and the server let its connection in as that user
+    assert replica_ids(st, "rollout") == ["rollout-0", "rollout-1"], st["replicas"]
+    for task in ("db", "kg", "webshop"):
+        assert replica_ids(st, f"env-{task}") == [f"env-{task}-0"], st["replicas"]
+    users = connection_users(int(s.env["JETRL_LOCAL_NATS_MONITOR_PORT"]))
+    for replica in [r["replica_id"] for r in st["replicas"]]:
+        assert users.get(replica) == (replica if replica.startswith(("rollout-", "env-")) else replica.split("-")[0]), \
+            (replica, users)
+
+    # every attack road, one user's credentials at a time, against the running cluster: each refused, and the
+    # run trains on (the controller's word and the rollouts' logs after the next step)
+    subjects = Subjects("jetrl")
+    before = s.status()
+    t_attack = time.monotonic()
+    found = asyncio.run(attack(f"nats://127.0.0.1:{s.env['JETRL_LOCAL_NATS_PORT']}", subjects,
+                               compose_password(s.secrets), thief="rollout-1", victim="rollout-0"))
+    during = s.status()
+    s.figures["attacks_s"] = round(time.monotonic() - t_attack, 1)
+    st = s.wait("a training step after the attacks", lambda st: st["policy_version"] > during["policy_version"], 600)
+    assert st["state"] != "finished" and st["policy_version"] < 1000, st  # no forged end, no forged version
+    check_refused(found, subjects, before, during, {c[:12]: container_logs(c) for c in s.containers("rollout")},
+                  thief="rollout-1", victim="rollout-0")
+    s.figures["violations_seen"] = len([e for e in found.errors if "permissions violation" in e.lower()])
 
     # a third rollout replica, mid-run: it registers and finishes episodes of its own
     old = set(s.containers("rollout"))
