@@ -448,9 +448,9 @@ async def test_a_replica_loads_only_the_newest_policy_version(nc, config, subjec
     loaded: list[int] = []
     update = engine.update_weights
 
-    async def recording(state: Any, version: int) -> None:
+    async def recording(state: Any, version: int, adapter: Any = None) -> None:
         loaded.append(version)
-        await update(state, version)
+        await update(state, version, adapter)
 
     engine.update_weights = recording  # type: ignore[method-assign]
     trainer = Trainer(nc, nc.jetstream(), subjects, config.trainer, tiny_model, tmp_path, "t")
