@@ -95,6 +95,17 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def run_name(variant: str, seed: int) -> str:
+    """The run of ``variant`` with ``run.seed = seed``: seed 0 keeps the variant's name."""
+    return variant if seed == 0 else f"{variant}-s{seed}"
+
+
+def variant_of(name: str) -> str:
+    """``full-s1`` -> ``full``: the variant a run (or eval label) belongs to."""
+    head, sep, tail = name.rpartition("-s")
+    return head if sep and tail.isdigit() else name
+
+
 def tasks_arg(tasks: list[str]) -> str:
     return "--run.tasks=" + json.dumps({t: 1.0 for t in tasks}, separators=(",", ":"))
 
@@ -188,6 +199,10 @@ class Bench:
             stale = 0
         plan: list[tuple[str, list[str], list[str], int]] = []
         for v in self.args.variants:
+            if v == "experts" and self.args.expert_steps:
+                expert_steps = [f"--trainer.steps={self.args.expert_steps}"]
+            else:
+                expert_steps = []
             if v == "full":
                 plan.append(("full", tasks, ["--trainer.task_norm=scale", *cross], stale))
             elif v == "no_task_norm":
@@ -200,7 +215,10 @@ class Bench:
                                                 *cross], stale))
             elif v == "experts":
                 for t in tasks:
-                    plan.append((f"expert-{t}", [t], ["--trainer.task_norm=scale", *cross], stale))
+                    plan.append((f"expert-{t}", [t], ["--trainer.task_norm=scale", *cross, *expert_steps], stale))
+        # every variant once per seed: seed 0 keeps the variant's name, seed s runs as <name>-s<s>
+        plan = [(run_name(name, seed), run_tasks, [*extra, f"--run.seed={seed}"], stale)
+                for seed in self.args.seeds for name, run_tasks, extra, stale in plan]
         for name, run_tasks, extra, stale in track(plan, "learning benchmark variants", unit="variants"):
             final = self.rl(name, warm, run_tasks, extra, stale)
             if final is not None:
@@ -274,7 +292,7 @@ def table(results: dict[str, Any], tasks: list[str], splits: list[str]) -> str:
     lines = []
     for split in splits:
         base = evals.get(f"warm_start@{split}", {}).get("report")
-        labels = [k.split("@")[0] for k in evals if k.endswith(f"@{split}") and not k.startswith("warm_start")]
+        labels = labels_of(results, split)
         for pass_name in PASSES:
             if not any(task_report(base, pass_name, t) for t in tasks):
                 continue
@@ -301,7 +319,162 @@ def table(results: dict[str, Any], tasks: list[str], splits: list[str]) -> str:
                 cells = " | ".join(_delta_cell(paired_delta(before[t], after[t])) for t in tasks)
                 lines.append(f"| {label} | {cells} | {_delta_cell(mean_delta(before, after))} |")
             lines.append("")
+    for split in splits:
+        lines += seeds_table(results, tasks, split) + pass_at_k_table(results, tasks, split)
+        lines += sampler_table(results, tasks, split)
     return "\n".join(lines + training_table(results))
+
+
+def labels_of(results: dict[str, Any], split: str) -> list[str]:
+    """The RL runs probed on ``split``, in the order they ran."""
+    return [k.split("@")[0] for k in results["evals"] if k.endswith(f"@{split}") and not k.startswith("warm_start")]
+
+
+def seeds_table(results: dict[str, Any], tasks: list[str], split: str) -> list[str]:
+    """Per variant run with several seeds: its change against the warm start, mean over the seeds with the
+    lowest and highest seed beside it (the seeds' spread), per task and for the mean of tasks."""
+    evals = results["evals"]
+    base = evals.get(f"warm_start@{split}", {}).get("report")
+    by_variant: dict[str, list[str]] = {}
+    for label in labels_of(results, split):
+        by_variant.setdefault(variant_of(label), []).append(label)
+    if not base or not any(len(v) > 1 for v in by_variant.values()):
+        return []
+    lines = []
+    for pass_name in PASSES:
+        lines += [f"**Over seeds ({split}, {pass_name})**: change against the warm start in points, mean over "
+                  "the seeds (lowest seed, highest seed)", "",
+                  f"| variant | seeds | {' | '.join(tasks)} | mean of tasks |", "|---|---|" + "---|" * len(tasks) + "---|"]
+        for variant, labels in by_variant.items():
+            before = {t: (task_report(base, pass_name, t) or {}).get("per_task_success", {}) for t in tasks}
+            per_seed: list[tuple[list[float], float]] = []
+            for label in labels:
+                rep = evals[f"{label}@{split}"].get("report")
+                after = {t: (task_report(rep, pass_name, t) or {}).get("per_task_success", {}) for t in tasks}
+                per_seed.append(([paired_delta(before[t], after[t])[0] for t in tasks], mean_delta(before, after)[0]))
+
+            def spread(values: list[float]) -> str:
+                values = [v for v in values if v == v]
+                if not values:
+                    return "–"
+                return (f"{100 * sum(values) / len(values):+.1f} ({100 * min(values):+.1f}, "
+                        f"{100 * max(values):+.1f})")
+            cells = " | ".join(spread([d[i] for d, _ in per_seed]) for i in range(len(tasks)))
+            lines.append(f"| {variant} | {len(labels)} | {cells} | {spread([m for _, m in per_seed])} |")
+        lines.append("")
+    return lines
+
+
+def pass_at_per_task(report: dict[str, Any] | None, task: str, k: int) -> dict[str, float]:
+    """pass@k of each task id in a sampled pass, from its success rate over the pass's attempts per task
+    (the unbiased estimator, as the eval report's own pass@k); empty when the pass has fewer than k."""
+    from services.controller.report import pass_at_k
+
+    r = task_report(report, "sampled", task)
+    if not r or not r.get("tasks"):
+        return {}
+    n = round(r["episodes"] / r["tasks"])
+    if n < k:
+        return {}
+    return {tid: pass_at_k(n, round(rate * n), k) for tid, rate in r["per_task_success"].items()}
+
+
+def pass_at_k_table(results: dict[str, Any], tasks: list[str], split: str, ks: tuple[int, ...] = (1, 2, 4, 8)) -> list[str]:
+    """pass@k of the sampled pass for k = 1, 2, 4, 8 (as far as the attempts per task go): the mean of tasks for
+    the warm start and each run, and each run's paired change; then each task's pass@k before and after at the
+    largest k. A gain at pass@1 only is sharpening; a gain at pass@8 is tasks the policy could not solve before."""
+    from services.controller.report import bootstrap_interval
+
+    evals = results["evals"]
+    base = evals.get(f"warm_start@{split}", {}).get("report")
+    ks = tuple(k for k in ks if any(pass_at_per_task(base, t, k) for t in tasks))
+    if len(ks) < 2:
+        return []
+    labels = ["warm_start", *labels_of(results, split)]
+
+    def per_type(label: str, k: int) -> dict[str, dict[str, float]]:
+        rep = evals.get(f"{label}@{split}", {}).get("report")
+        return {t: pass_at_per_task(rep, t, k) for t in tasks}
+
+    def mean_cell(label: str, k: int) -> str:
+        values = per_type(label, k)
+        means = [sum(v.values()) / len(v) for v in values.values() if v]
+        if not means:
+            return "–"
+        # the interval of the task-type mean: each type's ids resampled within it, as mean_delta does
+        rng, draws = random.Random(0), []
+        for _ in range(RESAMPLES):
+            draws.append(sum(sum(list(v.values())[rng.randrange(len(v))] for _ in v) / len(v)
+                             for v in values.values() if v) / len(means))
+        draws.sort()
+        return f"{sum(means) / len(means):.3f} [{draws[int(0.025 * RESAMPLES)]:.3f}, {draws[int(0.975 * RESAMPLES) - 1]:.3f}]"
+
+    head = " | ".join(f"pass@{k}" for k in ks)
+    lines = [f"**{split} split, pass@k** (sampled pass at T = 1; mean of tasks [95 % bootstrap interval over tasks])", "",
+             f"| policy | {head} |", "|---|" + "---|" * len(ks)]
+    lines += [f"| {label} | {' | '.join(mean_cell(label, k) for k in ks)} |" for label in labels]
+    lines += ["", f"Change of pass@k against the warm start ({split}), points [95 % paired bootstrap]:", "",
+              f"| policy | {head} |", "|---|" + "---|" * len(ks)]
+    for label in labels[1:]:
+        cells = " | ".join(_delta_cell(mean_delta(per_type("warm_start", k), per_type(label, k))) for k in ks)
+        lines.append(f"| {label} | {cells} |")
+    top = ks[-1]
+    lines += ["", f"pass@{top} per task ({split}) [95 % bootstrap interval over tasks]:", "",
+              f"| policy | {' | '.join(tasks)} |", "|---|" + "---|" * len(tasks)]
+    for label in labels:
+        cells = []
+        for values in per_type(label, top).values():
+            if not values:
+                cells.append("–")
+                continue
+            lo, hi = bootstrap_interval([[v] for v in values.values()], resamples=RESAMPLES)
+            cells.append(f"{sum(values.values()) / len(values):.2f} [{lo:.2f}, {hi:.2f}]")
+        lines.append(f"| {label} | {' | '.join(cells)} |")
+    return lines + [""]
+
+
+def steps_to_gain(rows: list[dict[str, Any]], tasks: list[str], gain: float = 0.10, window: int = 3) -> int | None:
+    """The first RL step at which the training episodes' success (mean over the tasks, a moving mean over
+    ``window`` steps) stands ``gain`` above its first ``window`` steps; None if it never does."""
+    series = []
+    for r in rows:
+        values = [r[f"task/{t}/success"] for t in tasks if f"task/{t}/success" in r]
+        if values:
+            series.append((int(r["step"]), sum(values) / len(values)))
+    if len(series) < 2 * window:
+        return None
+    start = sum(v for _, v in series[:window]) / window
+    for i in range(window, len(series)):
+        if sum(v for _, v in series[i - window + 1: i + 1]) / window >= start + gain:
+            return series[i][0]
+    return None
+
+
+def sampler_table(results: dict[str, Any], tasks: list[str], split: str) -> list[str]:
+    """The task sampler on and off: flat groups (no signal: left out by ``trainer.filter_flat_groups``) among
+    the groups the rollout made, steps until the training success rose 10 points, and the probe's change."""
+    out, evals = Path(results.get("out", "")), results["evals"]
+    names = [n for n in results["runs"] if variant_of(n) in ("full", "sampler")]
+    if not any(variant_of(n) == "sampler" for n in names):
+        return []
+    base = evals.get(f"warm_start@{split}", {}).get("report")
+    lines = ["The learnability task sampler (`sampler`) beside the configured mix (`full`), the same seeds:", "",
+             "| run | steps | flat groups / groups made | steps until training success +10 points "
+             f"| sampled change ({split}, mean of tasks) |", "|---|---|---|---|---|"]
+    for name in names:
+        rows = read_metrics(out / name)
+        if not rows:
+            continue
+        flat = int(max(r.get("train/flat_groups", 0) for r in rows))
+        trained = int(sum(r.get("train/groups", 0) for r in rows))
+        rep = evals.get(f"{name}@{split}", {}).get("report")
+        before = {t: (task_report(base, "sampled", t) or {}).get("per_task_success", {}) for t in tasks}
+        after = {t: (task_report(rep, "sampled", t) or {}).get("per_task_success", {}) for t in tasks}
+        reached = steps_to_gain(rows, results["runs"][name].get("tasks", tasks))
+        share = f"{flat}/{flat + trained} ({flat / (flat + trained):.0%})" if flat + trained else "–"
+        lines.append(f"| {name} | {len(rows)} | {share} | {reached if reached is not None else 'not reached'} "
+                     f"| {_delta_cell(mean_delta(before, after)) if rep else '–'} |")
+    return lines + [""]
 
 
 def training_table(results: dict[str, Any]) -> list[str]:
@@ -425,13 +598,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--eval-samples", type=int, default=4, help="attempts per task in the sampled pass")
     p.add_argument("--time-limit-min", type=float, default=30.0, help="per command (AgentRL budget: 30 min)")
     p.add_argument("--no-warm-eval", action="store_true", help="do not evaluate the warm start (another invocation does)")
-    p.add_argument("--skip-done", action="store_true", help="reuse finished runs and evals in --out")
+    p.add_argument("--seeds", default="0", help="comma list of run.seed values: every RL variant runs once per "
+                                                 "seed (seed 0 as <variant>, seed s as <variant>-s<s>)")
+    p.add_argument("--expert-steps", type=int, default=0,
+                   help="RL steps of each expert-<task> run (0 = --rl-steps); --rl-steps / number of tasks gives "
+                        "each expert the episodes of its task the multi-task run trains on")
+    p.add_argument("--resume", "--skip-done", dest="skip_done", action="store_true",
+                   help="reuse the finished stages in --out (warm start, probes, RL runs) and their results; "
+                        "run only what is missing or failed")
     p.add_argument("--report-only", action="store_true", help="only rebuild table and plots from results.json")
     p.add_argument("--write-doc", default="", help="markdown file whose results markers receive the table")
     p.add_argument("--doc-section", default="results", help="name of the markers in --write-doc")
     args = p.parse_args(argv)
     args.variants = [v for v in args.variants.split(",") if v]
     args.eval_splits = [s for s in args.eval_splits.split(",") if s]
+    args.seeds = [int(s) for s in args.seeds.split(",") if s]
     for v in args.variants:
         if v not in VARIANTS:
             p.error(f"unknown variant {v!r}")

@@ -1,0 +1,93 @@
+"""The learning benchmark's report (bench/learning.py) on hand-made probe reports: run names per seed, pass@k
+per task from the sampled pass, the seeds' spread, steps until a gain, and the sampler table."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench.learning import (pass_at_k_table, pass_at_per_task, run_name, sampler_table, seeds_table,
+                            steps_to_gain, variant_of)
+
+
+def probe(rates: dict[str, dict[str, float]], samples: int = 4) -> dict:
+    """A probe report as `jetrl probe` writes it, for the fields the benchmark reads: per task type, the
+    success of each task id in the greedy and the sampled pass."""
+    def one(per_id: dict[str, float], n: int) -> dict:
+        return {"tasks": len(per_id), "episodes": n * len(per_id), "per_task_success": per_id,
+                "success": sum(per_id.values()) / len(per_id), "success_ci95": [0.0, 1.0]}
+    return {"greedy": {t: one({k: float(v >= 0.5) for k, v in ids.items()}, 1) for t, ids in rates.items()},
+            "sampled": {t: one(ids, samples) for t, ids in rates.items()}}
+
+
+def test_run_names_carry_the_seed() -> None:
+    assert run_name("full", 0) == "full"
+    assert run_name("full", 1) == "full-s1"
+    assert [variant_of(n) for n in ("full-s1", "no_task_norm-s12", "expert-db", "expert-sql", "sampler")] == \
+        ["full", "no_task_norm", "expert-db", "expert-sql", "sampler"]
+
+
+def test_pass_at_k_per_task_from_the_sampled_success() -> None:
+    report = probe({"db": {"a": 0.0, "b": 0.25, "c": 1.0}}, samples=4)
+    # b: 1 of 4 right; pass@2 = 1 - C(3,2)/C(4,2) = 1 - 3/6
+    assert pass_at_per_task(report, "db", 2) == {"a": 0.0, "b": 0.5, "c": 1.0}
+    assert pass_at_per_task(report, "db", 4) == {"a": 0.0, "b": 1.0, "c": 1.0}
+    assert pass_at_per_task(report, "db", 8) == {}  # 4 attempts cannot give pass@8
+    assert pass_at_per_task(report, "os", 2) == {}
+
+
+def test_pass_at_k_table_before_and_after() -> None:
+    before = probe({"db": {"a": 0.0, "b": 0.25}}, samples=4)
+    after = probe({"db": {"a": 0.0, "b": 0.75}}, samples=4)
+    results = {"runs": {}, "evals": {"warm_start@test": {"report": before}, "full@test": {"report": after}}}
+    text = "\n".join(pass_at_k_table(results, ["db"], "test"))
+    # pass@1: (0 + 0.25) / 2 -> (0 + 0.75) / 2; pass@4: b solved at least once in both -> 0.5 and 0.5
+    assert "| warm_start | 0.125 [" in text and "| full | 0.375 [" in text
+    change = next(line for line in text.splitlines() if line.startswith("| full | +"))
+    cells = [c.strip() for c in change.strip("|").split("|")]
+    assert cells[1].startswith("+25.0") and cells[3].startswith("+0.0")  # pass@1 rose; pass@4 did not
+    assert "pass@8" not in text
+
+
+def test_seeds_table_gives_the_mean_and_the_spread() -> None:
+    base = probe({"db": {"a": 0.0, "b": 0.0}})
+    evals = {"warm_start@test": {"report": base},
+             "full@test": {"report": probe({"db": {"a": 0.25, "b": 0.0}})},     # +12.5
+             "full-s1@test": {"report": probe({"db": {"a": 0.5, "b": 0.25}})},  # +37.5
+             "no_cross_policy@test": {"report": probe({"db": {"a": 0.0, "b": 0.5}})}}
+    text = "\n".join(seeds_table({"runs": {}, "evals": evals}, ["db"], "test"))
+    assert "| full | 2 | +25.0 (+12.5, +37.5) | +25.0 (+12.5, +37.5) |" in text
+    assert "| no_cross_policy | 1 | +25.0 (+25.0, +25.0) |" in text
+    assert seeds_table({"runs": {}, "evals": {"warm_start@test": {"report": base},
+                                              "full@test": evals["full@test"]}}, ["db"], "test") == []
+
+
+def test_steps_to_gain() -> None:
+    rows = [{"step": i + 1, "task/db/success": v, "task/os/success": v}
+            for i, v in enumerate([0.1, 0.1, 0.1, 0.15, 0.2, 0.3, 0.4])]
+    # start 0.1; moving means of 3 from step 3: 0.1, .117, .15, .217 (step 6) >= 0.2
+    assert steps_to_gain(rows, ["db", "os"]) == 6
+    assert steps_to_gain(rows, ["db"], gain=0.5) is None
+    assert steps_to_gain(rows[:4], ["db"]) is None
+
+
+def test_sampler_table_counts_flat_groups(tmp_path: Path) -> None:
+    for name, flat in (("full", 6), ("sampler", 2)):
+        (tmp_path / name).mkdir()
+        rows = [{"step": s, "ts": float(s), "train/groups": 2.0, "train/flat_groups": float(min(s, flat)),
+                 "task/db/success": 0.2} for s in range(1, 11)]
+        (tmp_path / name / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    base = probe({"db": {"a": 0.0}})
+    results = {"out": str(tmp_path), "runs": {"full": {"tasks": ["db"]}, "sampler": {"tasks": ["db"]}},
+               "evals": {"warm_start@test": {"report": base}, "full@test": {"report": base},
+                         "sampler@test": {"report": probe({"db": {"a": 0.5}})}}}
+    text = "\n".join(sampler_table(results, ["db"], "test"))
+    assert "| full | 10 | 6/26 (23%) | not reached | +0.0" in text
+    assert "| sampler | 10 | 2/22 (9%) | not reached | +50.0" in text
+
+
+@pytest.mark.parametrize("names", [["full"], ["full", "no_cross_policy"]])
+def test_no_sampler_table_without_a_sampler_run(names: list[str]) -> None:
+    assert sampler_table({"runs": {n: {} for n in names}, "evals": {}}, ["db"], "test") == []
