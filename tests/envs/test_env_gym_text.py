@@ -99,6 +99,9 @@ def test_a_reasoning_gym_dataset_is_scored_by_its_own_rule() -> None:
     assert right.opening()[1]["content"] == right.env.entry["question"]
     assert right.call(act(answer)).reward == 1.0
     assert env.open("seed-0", "train", 0).call(act("no idea")).reward == 0.0
+    # the whitespace around a tool argument is not part of the answer; the dataset's partial credit stays
+    assert env.open("seed-0", "train", 0).call(act(f" {answer}\n")).reward == 1.0
+    assert env.open("seed-0", "train", 0).call(act(f"{answer}.0")).reward == pytest.approx(len(answer) / (len(answer) + 2))
     expert = env.open("seed-1000001", "test", 0)  # the dataset knows its answers: the oracle submits them
     assert "final answer only" in expert.opening()[0]["content"]
     assert expert.call(env.oracle(expert)).reward == 1.0

@@ -71,7 +71,9 @@ class TextArenaView:
 
 class ReasoningGymView:
     """One reasoning-gym question as a one-step env: the seed picks the question, the answer is scored by
-    the dataset's own ``score_answer`` (1.0 right, partial credit where the dataset gives it)."""
+    the dataset's own ``score_answer`` (1.0 right, partial credit where the dataset gives it). The answer is
+    scored without the whitespace around it: a tool call's argument often starts with a space, and
+    ``score_answer`` would pay ``" 3"`` half of ``"3"``."""
 
     def __init__(self, dataset: str, kwargs: dict[str, Any]) -> None:
         import reasoning_gym
@@ -96,7 +98,7 @@ class ReasoningGymView:
         return str(self.entry["answer"])
 
     def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
-        score = float(self.dataset.score_answer(action, self.entry))
+        score = float(self.dataset.score_answer(action.strip(), self.entry))
         verdict = "Correct." if score >= 1.0 else f"Scored {score:g}."
         return verdict, score, True, False, {}
 
