@@ -12,16 +12,23 @@
    versions held in the one replica's engine, ``rollout.adapter_versions``; ``--adapter-versions 0``: a
    stale pool engine of its own), ``no_task_norm``, ``no_cross_policy`` (one engine, the current version only), ``expert-<task>`` (the full recipe on one task only), and
    ``sampler`` (``full`` with the learnability task sampler, to set beside ``full``: flat groups and gains).
+   ``--seeds 0,1`` runs every variant once per ``run.seed`` (seed 0 as ``<variant>``, seed s as
+   ``<variant>-s<s>``); ``--expert-steps`` gives the experts their own number of steps.
 4. **Report**: ``<out>/results.json``, a markdown table per pass (printed, and written into
    ``docs/benchmarks/learning.md`` between the ``<!-- results:begin/end -->`` markers with ``--write-doc``):
    success with a 95 % bootstrap interval over the evaluated tasks, and each variant's change against the
    warm start with a *paired* bootstrap interval (the same tasks before and after, resampled together);
    PNG plots in ``docs/benchmarks/``: per-task training success over steps for each variant (with the
-   greedy probe before/after as points) and the warm-start loss curve.
+   greedy probe before/after as points) and the warm-start loss curve. With several seeds, each variant's
+   change as the mean over its seeds with the lowest and highest seed; pass@k of the sampled pass for
+   k = 1, 2, 4, 8 (as far as ``--eval-samples`` goes) before and after, with intervals; with a ``sampler``
+   run, flat groups and the steps to a 10-point gain beside ``full``.
 
 Every command is printed, timed and logged under ``<out>/``; a run that exceeds ``--time-limit-min``
 is interrupted (SIGINT: `jetrl` stops its services) and marked ``timeout`` in the table.
-``--sft-model DIR`` skips the warm start; ``--skip-done`` reuses finished runs under ``<out>``.
+``--sft-model DIR`` skips the warm start; ``--resume`` reuses every finished stage under ``<out>`` (the
+warm start, each probe, each RL run) and runs only the rest, so a long benchmark can be carried over several
+sittings with the same command.
 """
 
 from __future__ import annotations
@@ -138,7 +145,9 @@ class Bench:
 
     def done(self, name: str) -> bool:
         r = self.results["runs"].get(name)
-        return bool(self.args.skip_done and r and r["rc"] == 0 and (self.out / name / "model").exists())
+        # a run stopped at the time limit saved its model too: it is finished, with fewer steps
+        finished = bool(r and (r["rc"] == 0 or r.get("timeout")))
+        return bool(self.args.skip_done and finished and (self.out / name / "model").exists())
 
     def warm_start(self, tasks: list[str]) -> Path:
         if self.args.sft_model:
