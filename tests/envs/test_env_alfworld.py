@@ -362,6 +362,25 @@ def test_no_generated_games_on_a_fresh_data_dir(tmp_path: Path) -> None:
         env.close()
 
 
+def test_levels_and_games_per_type_size_the_catalogue(env: AlfworldEnv) -> None:
+    """env.alfworld.levels keeps the task types of those difficulties; num_train_games / num_test_games give
+    each split's games per task type, over env.num_train_tasks / num_test_tasks; a type's games are the
+    first ones of the full catalogue."""
+    easy = ["pick_and_place_simple", "look_at_obj_in_light"]
+    cfg = EnvConfig(task="alfworld", num_train_tasks=5, num_test_tasks=5, max_sessions=2, sections={
+        "alfworld": AlfworldTaskConfig(levels=[1], num_train_games=2, num_test_games=1, pool_size=1, prefetch=0)})
+    small = make_env(cfg)
+    try:
+        assert [small.task_info(t)["task_type"] for t in small.task_ids("train")] == [easy[0]] * 2 + [easy[1]] * 2
+        assert [small.task_info(t)["task_type"] for t in small.task_ids("test")] == easy
+        assert small.task_ids("test") == env.task_ids("test")[:2]  # the full catalogue's first game of each
+        assert small.task_ids("train")[::2] == env.task_ids("train")[:2]
+    finally:
+        small.close()
+    with pytest.raises(ValueError, match="env.alfworld.levels"):
+        make_env(EnvConfig(task="alfworld", sections={"alfworld": AlfworldTaskConfig(levels=[4])}))
+
+
 async def test_several_calls_in_one_message_run_the_first_as_agentbench(env: AlfworldEnv) -> None:
     """AgentBench's ALFWorld task runs a message's first call and drops the others: one answer, one round."""
     task_id = won(env, "train")[0] if won(env, "train") else env.task_ids("train")[0]

@@ -9,8 +9,9 @@ engine) on games generated offline (``gen.py``), with AgentBench's function-call
   three times in a row ends the episode as ``invalid_action`` with reward 0.
 * Oracle: ALFWorld's handcoded expert, tracking the episode step by step (``engine.py``).
 * Task ids name the game: ``pick_heat_then_place_in_recep-Egg-None-DiningTable-11/trial_0``. Each split
-  has a catalogue of games (``num_train_tasks`` / ``num_test_tasks`` per task type, the expert's result on
-  each recorded, not used to pick them); any other valid id of the split is generated on demand. The seed
+  has a catalogue of games (``env.alfworld.num_train_games`` / ``num_test_games`` per task type, else
+  ``env.num_train_tasks`` / ``num_test_tasks``; the task types of ``env.alfworld.levels``; the expert's result
+  on each recorded, not used to pick them); any other valid id of the split is generated on demand. The seed
   is unused: a game is fixed by its id. ``env.alfworld.game_files`` serves ALFWorld's own game files as
   split ``dev`` (ids ``<task folder>/<trial folder>``).
 * Engines run in child processes with a pool of loaded games (``pool.py``).
@@ -138,10 +139,17 @@ class AlfworldEnv(TaskEnv):
         self.root = gen.data_root(cfg.data_dir)
         self.max_turns = cfg.alfworld.max_rounds
         self.snap_actions = cfg.alfworld.snap_actions
+        bad = sorted(set(cfg.alfworld.levels) - set(gen.DIFFICULTY.values()))
+        if bad:
+            raise ValueError(f"env.alfworld.levels: {bad} are not task-type difficulties (1, 2, 3)")
+        levels = cfg.alfworld.levels
+        self.task_types = [t for t in gen.TASK_TYPES if not levels or gen.DIFFICULTY[t] in levels]
+        counts = (("train", cfg.alfworld.num_train_games or cfg.num_train_tasks),
+                  ("test", cfg.alfworld.num_test_games or cfg.num_test_tasks))
         self.catalogue = {split: gen.build_catalogue(split, n, cfg.data_dir, self.max_turns, log=self._log_build,
-                                                     filter_won=cfg.alfworld.expert_filter)
-                          for split, n in (("train", cfg.num_train_tasks), ("test", cfg.num_test_tasks))}
-        self.ids = {split: [t for tt in gen.TASK_TYPES for t in cat["tasks"][tt]]
+                                                     filter_won=cfg.alfworld.expert_filter, task_types=self.task_types)
+                          for split, n in counts}
+        self.ids = {split: [t for tt in self.task_types for t in cat["tasks"][tt]]
                     for split, cat in self.catalogue.items()}
         if cfg.alfworld.oracle not in ("expert", "planner"):
             raise ValueError(f"env.alfworld.oracle must be expert or planner, got {cfg.alfworld.oracle!r}")

@@ -27,5 +27,9 @@ class AlfworldTaskConfig:
                                      "recorded beside them")
     oracle: str = opt("expert", "expert (ALFWorld's handcoded expert: searches the room) | planner (reads the "
                                 "game's true state: straight to the object, station and goal)")
+    levels: list[int] = opt([], "task-type difficulties the catalogue holds and the splits serve (1 pick and place, "
+                                "look at in light; 2 clean, heat, cool then place; 3 pick two); empty = all")
+    num_train_games: int = opt(0, "games per task type in the train catalogue; 0 = env.num_train_tasks", ge=0)
+    num_test_games: int = opt(0, "games per task type in the test catalogue; 0 = env.num_test_tasks", ge=0)
     max_observation_chars: int = opt(4000, "overrides env.max_observation_chars: an observation lists every "
                                            "admissible command")

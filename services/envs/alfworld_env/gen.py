@@ -373,17 +373,27 @@ def task_ids_for(tuples: list[tuple[str, str, str, int]], trials: int = 1) -> li
 
 
 def build_catalogue(split: str, per_type: int, data_dir: str = "", max_steps: int = 20, workers: int = 0,
-                    log: Any = None, filter_won: bool = False, progress: Any = None) -> dict[str, Any]:
+                    log: Any = None, filter_won: bool = False, progress: Any = None,
+                    task_types: list[str] | None = None) -> dict[str, Any]:
     """The first ``per_type`` games of each task type (cached as a manifest), with the handcoded expert's
     result on each (``expert``: won within ``max_steps``, steps). ``filter_won`` keeps only games the expert
-    wins (the catalogue in an earlier version, which hid the games it cannot win). ``progress`` (a
-    ``shared.progress.Progress`` over ``per_type * len(TASK_TYPES)`` games) is told each accepted game."""
+    wins (the catalogue in an earlier version, which hid the games it cannot win). ``task_types`` (default:
+    all of ``TASK_TYPES``) limits the catalogue to those types; each type's games are the same as in the
+    full catalogue. ``progress`` (a ``shared.progress.Progress`` over ``per_type`` games per task type) is
+    told each accepted game."""
+    types = [t for t in TASK_TYPES if task_types is None or t in task_types]
+    unknown = set(task_types or []) - set(TASK_TYPES)
+    if unknown:
+        raise ValueError(f"alfworld: unknown task types {sorted(unknown)}")
+    # a catalogue of some task types only is its own manifest: -t<index of each type in TASK_TYPES>
+    only = "" if types == TASK_TYPES else "-t" + "".join(str(TASK_TYPES.index(t)) for t in types)
     root = data_root(data_dir)
     from services.envs.alfworld_env.engine import EXPERT_VERSION
     from services.envs.alfworld_env.pool import engine_context
 
     # the expert's results are part of the catalogue: a catalogue of another expert is not this one's
-    manifest = root / f"catalogue-{split}-{per_type}-{max_steps}{'' if filter_won else '-all2'}-e{EXPERT_VERSION}.json"
+    kept = "" if filter_won else "-all2"
+    manifest = root / f"catalogue-{split}-{per_type}-{max_steps}{kept}{only}-e{EXPERT_VERSION}.json"
     if manifest.exists():
         return json.loads(manifest.read_text())
 
@@ -392,7 +402,7 @@ def build_catalogue(split: str, per_type: int, data_dir: str = "", max_steps: in
     out: dict[str, Any] = {"split": split, "per_type": per_type, "max_steps": max_steps, "filter_won": filter_won,
                            "tasks": {}, "stats": {}, "expert": {}}
     with engine_context().Pool(workers, maxtasksperchild=50) as pool:
-        for task_type in TASK_TYPES:
+        for task_type in types:
             tuples = candidates(split, task_type)
             accepted: list[dict[str, Any]] = []
             tried, j = 0, 0
