@@ -292,6 +292,18 @@ def test_config_layers_and_errors(tmp_path) -> None:
         load_config(path, environ={})
 
 
+@pytest.mark.parametrize("path", sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.toml")),
+                         ids=lambda p: p.name)
+def test_every_shipped_config_loads_and_its_task_settings_hold(path: Path) -> None:
+    """The configs the README and the benchmarks name: every key known, every value in range, every task's
+    settings valid (what `jetrl up` checks before it starts anything)."""
+    from shared.tasks import check_sections
+
+    cfg = load_config(path, environ={})
+    assert cfg.run.tasks
+    check_sections(cfg.env, list(cfg.run.tasks))
+
+
 def test_config_task_sections_in_every_form(tmp_path) -> None:
     path = tmp_path / "c.toml"
     path.write_text('[env]\nmax_sessions = 8\n[env.db]\nlevels = [1, 2]\n[env.os]\nbackend = "docker"\n'
