@@ -54,12 +54,13 @@ def log(msg: str) -> None:
     print(f"[learning {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def working_tasks(candidates: list[str], timeout_s: float = 180.0) -> list[str]:
-    """Tasks whose env module imports and builds its env (train and test task ids) in a subprocess."""
+def working_tasks(candidates: list[str], config: str, timeout_s: float = 180.0) -> list[str]:
+    """Tasks whose env module imports and builds its env (train and test task ids, with the settings of
+    ``config``) in a subprocess."""
     ok = []
     for task in candidates:
-        code = ("from shared.config import JetRLConfig; from shared.tasks import find_task, load_factory;"
-                f"env = JetRLConfig().env; e = load_factory(find_task({task!r}, env))(env);"
+        code = ("from shared.config import load_config; from shared.tasks import find_task, load_factory;"
+                f"env = load_config({config!r}).env; e = load_factory(find_task({task!r}, env))(env);"
                 "assert e.task_ids('train') and e.task_ids('test')")
         try:
             r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, timeout=timeout_s)
@@ -634,7 +635,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.tasks == "auto":
             from shared.tasks import registered_tasks
 
-            tasks = working_tasks(sorted(registered_tasks()))
+            tasks = working_tasks(sorted(registered_tasks()), args.config)
         else:
             tasks = [t for t in args.tasks.split(",") if t]
         if not tasks:
