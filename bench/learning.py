@@ -60,7 +60,8 @@ def working_tasks(candidates: list[str], config: str, timeout_s: float = 180.0) 
     ok = []
     for task in candidates:
         code = ("from shared.config import load_config; from shared.tasks import find_task, load_factory;"
-                f"env = load_config({config!r}).env; e = load_factory(find_task({task!r}, env))(env);"
+                f"env = load_config({config!r}).env; env.task = {task!r};"
+                f"e = load_factory(find_task({task!r}, env))(env);"
                 "assert e.task_ids('train') and e.task_ids('test')")
         try:
             r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, timeout=timeout_s)
