@@ -351,25 +351,24 @@ def seeds_table(results: dict[str, Any], tasks: list[str], split: str) -> list[s
         by_variant.setdefault(variant_of(label), []).append(label)
     if not base or not any(len(v) > 1 for v in by_variant.values()):
         return []
+    def spread(values: list[float]) -> str:
+        values = [v for v in values if v == v]  # a task a probe did not run: nan
+        if not values:
+            return "–"
+        return f"{100 * sum(values) / len(values):+.1f} ({100 * min(values):+.1f}, {100 * max(values):+.1f})"
+
     lines = []
     for pass_name in PASSES:
         lines += [f"**Over seeds ({split}, {pass_name})**: change against the warm start in points, mean over "
                   "the seeds (lowest seed, highest seed)", "",
                   f"| variant | seeds | {' | '.join(tasks)} | mean of tasks |", "|---|---|" + "---|" * len(tasks) + "---|"]
+        before = {t: (task_report(base, pass_name, t) or {}).get("per_task_success", {}) for t in tasks}
         for variant, labels in by_variant.items():
-            before = {t: (task_report(base, pass_name, t) or {}).get("per_task_success", {}) for t in tasks}
-            per_seed: list[tuple[list[float], float]] = []
+            per_seed: list[tuple[list[float], float]] = []  # (change per task, change of the mean) per seed
             for label in labels:
                 rep = evals[f"{label}@{split}"].get("report")
                 after = {t: (task_report(rep, pass_name, t) or {}).get("per_task_success", {}) for t in tasks}
                 per_seed.append(([paired_delta(before[t], after[t])[0] for t in tasks], mean_delta(before, after)[0]))
-
-            def spread(values: list[float]) -> str:
-                values = [v for v in values if v == v]
-                if not values:
-                    return "–"
-                return (f"{100 * sum(values) / len(values):+.1f} ({100 * min(values):+.1f}, "
-                        f"{100 * max(values):+.1f})")
             cells = " | ".join(spread([d[i] for d, _ in per_seed]) for i in range(len(tasks)))
             lines.append(f"| {variant} | {len(labels)} | {cells} | {spread([m for _, m in per_seed])} |")
         lines.append("")
@@ -408,15 +407,14 @@ def pass_at_k_table(results: dict[str, Any], tasks: list[str], split: str, ks: t
         return {t: pass_at_per_task(rep, t, k) for t in tasks}
 
     def mean_cell(label: str, k: int) -> str:
-        values = per_type(label, k)
-        means = [sum(v.values()) / len(v) for v in values.values() if v]
-        if not means:
+        per_id = [list(v.values()) for v in per_type(label, k).values() if v]
+        if not per_id:
             return "–"
+        means = [sum(v) / len(v) for v in per_id]
         # the interval of the task-type mean: each type's ids resampled within it, as mean_delta does
         rng, draws = random.Random(0), []
         for _ in range(RESAMPLES):
-            draws.append(sum(sum(list(v.values())[rng.randrange(len(v))] for _ in v) / len(v)
-                             for v in values.values() if v) / len(means))
+            draws.append(sum(sum(v[rng.randrange(len(v))] for _ in v) / len(v) for v in per_id) / len(per_id))
         draws.sort()
         return f"{sum(means) / len(means):.3f} [{draws[int(0.025 * RESAMPLES)]:.3f}, {draws[int(0.975 * RESAMPLES) - 1]:.3f}]"
 
