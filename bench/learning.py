@@ -165,7 +165,8 @@ class Bench:
                 if set(weights) != set(tasks):
                     raise SystemExit(f"--sft-task-weights names {sorted(weights)}, the tasks are {sorted(tasks)}")
                 cmd.append(f"--run.tasks={json.dumps(weights)}")
-            self.results["runs"][name] = run_cmd(cmd, self.out / f"{name}.log", self.limit_s) | {"tasks": tasks}
+            limit_s = (self.args.sft_time_limit_min * 60) or self.limit_s
+            self.results["runs"][name] = run_cmd(cmd, self.out / f"{name}.log", limit_s) | {"tasks": tasks}
             self.save()
         model = self.out / name / "model"
         if not model.exists():
@@ -606,6 +607,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--eval-limit", type=int, default=24, help="tasks per task type in each probe (0 = all)")
     p.add_argument("--eval-samples", type=int, default=4, help="attempts per task in the sampled pass")
     p.add_argument("--time-limit-min", type=float, default=30.0, help="per command (AgentRL budget: 30 min)")
+    p.add_argument("--sft-time-limit-min", type=float, default=0.0,
+                   help="the warm start's own time limit (0 = --time-limit-min); stopped there, it keeps the "
+                        "steps it made")
     p.add_argument("--no-warm-eval", action="store_true", help="do not evaluate the warm start (another invocation does)")
     p.add_argument("--seeds", default="0", help="comma list of run.seed values: every RL variant runs once per "
                                                  "seed (seed 0 as <variant>, seed s as <variant>-s<s>)")
