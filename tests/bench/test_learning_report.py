@@ -8,8 +8,15 @@ from pathlib import Path
 
 import pytest
 
-from bench.learning import (pass_at_k_table, pass_at_per_task, run_name, sampler_table, seeds_table,
-                            steps_to_gain, variant_of)
+from bench.learning import (
+    pass_at_k_table,
+    pass_at_per_task,
+    run_name,
+    sampler_table,
+    seeds_table,
+    steps_to_gain,
+    variant_of,
+)
 
 
 def probe(rates: dict[str, dict[str, float]], samples: int = 4) -> dict:
