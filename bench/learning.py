@@ -10,11 +10,11 @@
 3. **RL variants**, each ``jetrl up`` from the warm-start model (same steps, same time limit), then the same
    probe of its final model: ``full`` (task normalisation + cross-policy sampling: by default older LoRA
    versions held in the one replica's engine, ``rollout.adapter_versions``; ``--adapter-versions 0``: a
-   stale pool engine of its own), ``no_task_norm``, ``no_cross_policy`` (one engine, the current version only), ``expert-<task>`` (the full recipe on one task only), and
-   ``sampler`` (``full`` with the learnability task sampler, to set beside ``full``: flat groups and gains).
+   stale pool engine of its own), ``no_task_norm``, ``no_cross_policy`` (one engine, the current version
+   only), ``expert-<task>`` (the full recipe on one task only), and ``sampler`` (``full`` with the learnability task sampler, to set beside ``full``: flat groups and gains).
    ``--seeds 0,1`` runs every variant once per ``run.seed`` (seed 0 as ``<variant>``, seed s as
    ``<variant>-s<s>``); ``--expert-steps`` gives the experts their own number of steps.
-4. **Report**: ``<out>/results.json``, a markdown table per pass (printed, and written into
+4. **Report** (``bench/learning_report.py``): ``<out>/results.json``, a markdown table per pass (printed, and written into
    ``docs/benchmarks/learning.md`` between the ``<!-- results:begin/end -->`` markers with ``--write-doc``):
    success with a 95 % bootstrap interval over the evaluated tasks, and each variant's change against the
    warm start with a *paired* bootstrap interval (the same tasks before and after, resampled together);
@@ -27,22 +27,28 @@
 Every command is printed, timed and logged under ``<out>/``; a run that exceeds ``--time-limit-min``
 is interrupted (SIGINT: `jetrl` stops its services) and marked ``timeout`` in the table.
 ``--sft-model DIR`` skips the warm start; ``--resume`` reuses every finished stage under ``<out>`` (the
-warm start, each probe, each RL run) and runs only the rest, so a long benchmark can be carried over several
-sittings with the same command.
+warm start, each probe, each RL run) and runs only the rest. ``--record FILE`` carries a benchmark longer
+than one sitting (one ``--out`` directory, which need not survive): each sitting (its warm start, named by the
+digest of the model, with the probes and runs made from it, their metrics included) goes into the file; with
+``--resume`` the runs another sitting holds are skipped, and the report covers every sitting, each run
+against the probe of its own warm start.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
-import random
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python bench/learning.py` from anywhere
+from bench.learning_report import flatten, plots, read_metrics, table, trimmed, write_doc  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 JETRL = [sys.executable, "-m", "jetrl.cli"]
@@ -97,22 +103,31 @@ def run_cmd(cmd: list[str], log_file: Path, time_limit_s: float) -> dict[str, An
     return {"cmd": " ".join(["jetrl", *cmd[3:]]), "rc": rc, "wall_s": round(wall, 1), "timeout": timed_out}
 
 
-def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 def run_name(variant: str, seed: int) -> str:
     """The run of ``variant`` with ``run.seed = seed``: seed 0 keeps the variant's name."""
     return variant if seed == 0 else f"{variant}-s{seed}"
 
 
-def variant_of(name: str) -> str:
-    """``full-s1`` -> ``full``: the variant a run (or eval label) belongs to."""
-    head, sep, tail = name.rpartition("-s")
-    return head if sep and tail.isdigit() else name
+def model_digest(model: Path) -> str:
+    """The first 10 hex digits of the SHA-256 of a model directory's weight files: names a warm start."""
+    h = hashlib.sha256()
+    for f in sorted(model.glob("*.safetensors")) or sorted(p for p in model.iterdir() if p.is_file()):
+        with open(f, "rb") as fh:
+            while chunk := fh.read(1 << 24):
+                h.update(chunk)
+    return h.hexdigest()[:10]
+
+
+def machine() -> str:
+    """The CPU a figure was measured on: model name, cores, and the AVX-512 / AMX it has."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "?")
+    flags = next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), [])
+    wide = sorted({f for f in flags if f.startswith(("avx512", "amx"))})
+    return f"{name}, {os.cpu_count()} cores, {' '.join(wide) or 'AVX2 only (no AVX-512, no AMX)'}"
 
 
 def tasks_arg(tasks: list[str]) -> str:
@@ -126,24 +141,64 @@ class Bench:
         self.out = (ROOT / args.out).resolve() if not Path(args.out).is_absolute() else Path(args.out)
         self.out.mkdir(parents=True, exist_ok=True)
         self.limit_s = args.time_limit_min * 60
-        self.results: dict[str, Any] = {"config": args.config, "overrides": overrides, "runs": {}, "evals": {}}
+        self.results: dict[str, Any] = {"config": args.config, "overrides": overrides, "machine": machine(),
+                                        "runs": {}, "evals": {}}
         self.results_file = self.out / "results.json"
         if args.skip_done and self.results_file.exists():
             old = json.loads(self.results_file.read_text())
             self.results["runs"].update(old.get("runs", {}))
             self.results["evals"].update(old.get("evals", {}))
+        # the record: sittings (one warm start each, with the runs made from it) kept across --out directories
+        self.record_file = (ROOT / args.record) if args.record else None
+        self.record: dict[str, Any] = {"sittings": {}}
+        if self.record_file and self.record_file.exists():
+            self.record = json.loads(self.record_file.read_text())
+        self.digest = ""  # the warm start's, once it exists
 
     def base(self, command: str) -> list[str]:
         return [*JETRL, command, "--config", self.args.config, *self.overrides]
 
     def save(self) -> None:
-        """Merge into results.json, so several invocations (one variant each, in parallel) share one --out."""
+        """Merge into results.json, so several invocations (one variant each, in parallel) share one --out;
+        each run's metrics go in with it, and with ``--record`` this sitting goes into the record."""
         merged = json.loads(self.results_file.read_text()) if self.results_file.exists() else {}
         for key in ("runs", "evals"):
             self.results[key] = merged.get(key, {}) | self.results[key]
+        self.results["metrics"] = {name: rows for name in self.results["runs"]
+                                   if (rows := trimmed(read_metrics(self.out / name)))}
         tmp = self.results_file.with_suffix(".tmp")
         tmp.write_text(json.dumps(merged | self.results, indent=2))
         tmp.replace(self.results_file)
+        if self.record_file and self.digest:
+            self.record["sittings"][self.digest] = json.loads(self.results_file.read_text())
+            self.record_file.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.record_file.with_suffix(".tmp")
+            tmp.write_text(json.dumps(self.record, indent=1, sort_keys=True) + "\n")
+            tmp.replace(self.record_file)
+
+    def recorded_elsewhere(self, name: str) -> str:
+        """The digest of another sitting of the record that ran and probed ``name`` ("" if none)."""
+        for digest, sitting in self.record["sittings"].items():
+            if digest != self.digest and name in sitting.get("runs", {}) and \
+                    any(k.startswith(f"{name}@") and v.get("report") for k, v in sitting.get("evals", {}).items()):
+                return digest
+        return ""
+
+    def probed(self, name: str) -> bool:
+        """Whether ``name``'s final model was probed on every split (its model is then no longer needed)."""
+        return all((self.results["evals"].get(f"{name}@{split}") or {}).get("report") for split in self.args.eval_splits)
+
+    def adopt_warm_start(self, model: Path) -> None:
+        """Name this sitting by its warm start's digest; with --resume, a sitting of the record with the same
+        warm start (this directory's, or the same model made again) lends its finished probes and runs."""
+        self.digest = model_digest(model)
+        self.results["warm_start"] = {"digest": self.digest, "model": str(model)}
+        earlier = self.record["sittings"].get(self.digest)
+        if earlier and self.args.skip_done:
+            for key in ("runs", "evals"):
+                self.results[key] = earlier.get(key, {}) | self.results[key]
+        log(f"warm start {model}: digest {self.digest}")
+        self.save()
 
     def done(self, name: str) -> bool:
         r = self.results["runs"].get(name)
@@ -153,7 +208,9 @@ class Bench:
 
     def warm_start(self, tasks: list[str]) -> Path:
         if self.args.sft_model:
-            return Path(self.args.sft_model).resolve()
+            model = Path(self.args.sft_model).resolve()
+            self.adopt_warm_start(model)
+            return model
         name = "sft"
         if not self.done(name):
             cmd = [*self.base("sft"), f"--run.dir={self.out / name}", tasks_arg(tasks),
@@ -171,6 +228,7 @@ class Bench:
         model = self.out / name / "model"
         if not model.exists():
             raise SystemExit(f"warm start produced no model ({self.out / name}); see {self.out / 'sft.log'}")
+        self.adopt_warm_start(model)
         return model
 
     def evaluate(self, label: str, model: Path, tasks: list[str]) -> None:
@@ -183,7 +241,8 @@ class Bench:
                    f"--controller.eval_split={split}", f"--controller.eval_limit={self.args.eval_limit}",
                    f"--controller.eval_samples={self.args.eval_samples}", f"--rollouts={self.args.rollouts}",
                    "--rollout.torch_threads=2"]  # generation alone: both cores
-            res = run_cmd(cmd, self.out / f"eval-{label}-{split}.log", self.limit_s)
+            eval_limit_s = (self.args.eval_time_limit_min * 60) or self.limit_s
+            res = run_cmd(cmd, self.out / f"eval-{label}-{split}.log", eval_limit_s)
             report_file = run_dir / "eval.json"
             res["report"] = json.loads(report_file.read_text()) if report_file.exists() and res["rc"] == 0 else None
             self.results["evals"][key] = res
@@ -232,337 +291,17 @@ class Bench:
         plan = [(run_name(name, seed), run_tasks, [*extra, f"--run.seed={seed}"], stale)
                 for seed in self.args.seeds for name, run_tasks, extra, stale in plan]
         for name, run_tasks, extra, stale in track(plan, "learning benchmark variants", unit="variants"):
+            if where := self.recorded_elsewhere(name):
+                log(f"{name}: ran and probed in the record's sitting {where}; skipped")
+                continue
+            if self.args.skip_done and self.probed(name):
+                log(f"{name}: ran and probed in this sitting; skipped")
+                continue
             final = self.rl(name, warm, run_tasks, extra, stale)
             if final is not None:
                 self.evaluate(name, final, run_tasks)
             else:
                 log(f"{name}: no final model (see {self.out / (name + '.log')}); not evaluated")
-
-
-# ---------------------------------------------------------------------------------------------- report
-PASSES = ("greedy", "sampled")
-RESAMPLES = 2000
-
-
-def task_report(report: dict[str, Any] | None, pass_name: str, task: str) -> dict[str, Any] | None:
-    """One task's figures in a probe report (``report[pass][task]``), or None."""
-    return ((report or {}).get(pass_name) or {}).get(task)
-
-
-def success(report: dict[str, Any] | None, task: str, pass_name: str = "greedy") -> float | None:
-    r = task_report(report, pass_name, task)
-    return None if r is None else float(r["success"])
-
-
-def paired_delta(before: dict[str, float], after: dict[str, float], seed: int = 0) -> tuple[float, float, float]:
-    """Mean change of per-task success over the tasks both probes ran, with a 95 % percentile interval
-    from resampling those tasks (paired: a task's before and after stay together); the eval report's own
-    bootstrap, over one difference per task."""
-    from services.controller.report import bootstrap_interval
-
-    common = sorted(set(before) & set(after))
-    if not common:
-        return (float("nan"), float("nan"), float("nan"))
-    diffs = [[after[t] - before[t]] for t in common]
-    lo, hi = bootstrap_interval(diffs, resamples=RESAMPLES, seed=seed)
-    return (sum(d[0] for d in diffs) / len(diffs), lo, hi)
-
-
-def mean_delta(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]],
-               seed: int = 0) -> tuple[float, float, float]:
-    """Change of the task-type mean (each task type weighs the same), tasks resampled within each type."""
-    types = [t for t in before if t in after and set(before[t]) & set(after[t])]
-    if not types:
-        return (float("nan"), float("nan"), float("nan"))
-    rng = random.Random(seed)
-    diffs = {t: [after[t][k] - before[t][k] for k in sorted(set(before[t]) & set(after[t]))] for t in types}
-    point = sum(sum(d) / len(d) for d in diffs.values()) / len(types)
-    draws = sorted(sum(sum(d[rng.randrange(len(d))] for _ in d) / len(d) for d in diffs.values()) / len(types)
-                   for _ in range(RESAMPLES))
-    return (point, draws[int(0.025 * RESAMPLES)], draws[int(0.975 * RESAMPLES) - 1])
-
-
-def _cell(r: dict[str, Any] | None) -> str:
-    if r is None:
-        return "–"
-    lo, hi = r.get("success_ci95", [float("nan")] * 2)
-    return f"{r['success']:.2f} [{lo:.2f}, {hi:.2f}]"
-
-
-def _delta_cell(d: tuple[float, float, float]) -> str:
-    point, lo, hi = d
-    if point != point:
-        return "–"
-    mark = " **↑**" if lo > 0 else (" ↓" if hi < 0 else "")
-    return f"{100 * point:+.1f} [{100 * lo:+.1f}, {100 * hi:+.1f}]{mark}"
-
-
-def table(results: dict[str, Any], tasks: list[str], splits: list[str]) -> str:
-    """Per split and pass: success per task with its bootstrap interval, then each variant's paired change
-    against the warm start in points (↑: the interval lies above 0)."""
-    evals, runs = results["evals"], results["runs"]
-    lines = []
-    for split in splits:
-        base = evals.get(f"warm_start@{split}", {}).get("report")
-        labels = labels_of(results, split)
-        for pass_name in PASSES:
-            if not any(task_report(base, pass_name, t) for t in tasks):
-                continue
-            n_tasks = {t: task_report(base, pass_name, t)["tasks"] for t in tasks if task_report(base, pass_name, t)}
-            head = " | ".join(f"{t} (n={n_tasks.get(t, '?')})" for t in tasks)
-            lines += [f"**{split} split, {pass_name}**: success per task [95 % bootstrap interval over tasks]", "",
-                      f"| policy | {head} | mean of tasks | wall time (SFT / RL) |", "|---|" + "---|" * len(tasks) + "---|---|"]
-            for label in ["warm_start", *labels]:
-                rep = evals.get(f"{label}@{split}", {}).get("report")
-                vals = [success(rep, t, pass_name) for t in tasks]
-                vals = [v for v in vals if v is not None]
-                mean = f"{sum(vals) / len(vals):.3f}" if vals else "–"
-                run = runs.get(label if label != "warm_start" else "sft", {})
-                wall = (f"{run.get('wall_s', 0) / 60:.1f} min" + (" (time limit)" if run.get("timeout") else "")
-                        if run else "")
-                cells = " | ".join(_cell(task_report(rep, pass_name, t)) for t in tasks)
-                lines.append(f"| {label} | {cells} | {mean} | {wall} |")
-            lines += ["", f"Change against the warm start ({split}, {pass_name}), points [95 % paired bootstrap]:", "",
-                      f"| policy | {' | '.join(tasks)} | mean of tasks |", "|---|" + "---|" * len(tasks) + "---|"]
-            for label in labels:
-                rep = evals.get(f"{label}@{split}", {}).get("report")
-                before = {t: (task_report(base, pass_name, t) or {}).get("per_task_success", {}) for t in tasks}
-                after = {t: (task_report(rep, pass_name, t) or {}).get("per_task_success", {}) for t in tasks}
-                cells = " | ".join(_delta_cell(paired_delta(before[t], after[t])) for t in tasks)
-                lines.append(f"| {label} | {cells} | {_delta_cell(mean_delta(before, after))} |")
-            lines.append("")
-    for split in splits:
-        lines += seeds_table(results, tasks, split) + pass_at_k_table(results, tasks, split)
-        lines += sampler_table(results, tasks, split)
-    return "\n".join(lines + training_table(results))
-
-
-def labels_of(results: dict[str, Any], split: str) -> list[str]:
-    """The RL runs probed on ``split``, in the order they ran."""
-    return [k.split("@")[0] for k in results["evals"] if k.endswith(f"@{split}") and not k.startswith("warm_start")]
-
-
-def seeds_table(results: dict[str, Any], tasks: list[str], split: str) -> list[str]:
-    """Per variant run with several seeds: its change against the warm start, mean over the seeds with the
-    lowest and highest seed beside it (the seeds' spread), per task and for the mean of tasks."""
-    evals = results["evals"]
-    base = evals.get(f"warm_start@{split}", {}).get("report")
-    by_variant: dict[str, list[str]] = {}
-    for label in labels_of(results, split):
-        by_variant.setdefault(variant_of(label), []).append(label)
-    if not base or not any(len(v) > 1 for v in by_variant.values()):
-        return []
-    def spread(values: list[float]) -> str:
-        values = [v for v in values if v == v]  # a task a probe did not run: nan
-        if not values:
-            return "–"
-        return f"{100 * sum(values) / len(values):+.1f} ({100 * min(values):+.1f}, {100 * max(values):+.1f})"
-
-    lines = []
-    for pass_name in PASSES:
-        lines += [f"**Over seeds ({split}, {pass_name})**: change against the warm start in points, mean over "
-                  "the seeds (lowest seed, highest seed)", "",
-                  f"| variant | seeds | {' | '.join(tasks)} | mean of tasks |", "|---|---|" + "---|" * len(tasks) + "---|"]
-        before = {t: (task_report(base, pass_name, t) or {}).get("per_task_success", {}) for t in tasks}
-        for variant, labels in by_variant.items():
-            per_seed: list[tuple[list[float], float]] = []  # (change per task, change of the mean) per seed
-            for label in labels:
-                rep = evals[f"{label}@{split}"].get("report")
-                after = {t: (task_report(rep, pass_name, t) or {}).get("per_task_success", {}) for t in tasks}
-                per_seed.append(([paired_delta(before[t], after[t])[0] for t in tasks], mean_delta(before, after)[0]))
-            cells = " | ".join(spread([d[i] for d, _ in per_seed]) for i in range(len(tasks)))
-            lines.append(f"| {variant} | {len(labels)} | {cells} | {spread([m for _, m in per_seed])} |")
-        lines.append("")
-    return lines
-
-
-def pass_at_per_task(report: dict[str, Any] | None, task: str, k: int) -> dict[str, float]:
-    """pass@k of each task id in a sampled pass, from its success rate over the pass's attempts per task
-    (the unbiased estimator, as the eval report's own pass@k); empty when the pass has fewer than k."""
-    from services.controller.report import pass_at_k
-
-    r = task_report(report, "sampled", task)
-    if not r or not r.get("tasks"):
-        return {}
-    n = round(r["episodes"] / r["tasks"])
-    if n < k:
-        return {}
-    return {tid: pass_at_k(n, round(rate * n), k) for tid, rate in r["per_task_success"].items()}
-
-
-def pass_at_k_table(results: dict[str, Any], tasks: list[str], split: str, ks: tuple[int, ...] = (1, 2, 4, 8)) -> list[str]:
-    """pass@k of the sampled pass for k = 1, 2, 4, 8 (as far as the attempts per task go): the mean of tasks for
-    the warm start and each run, and each run's paired change; then each task's pass@k before and after at the
-    largest k. A gain at pass@1 only is sharpening; a gain at pass@8 is tasks the policy could not solve before."""
-    from services.controller.report import bootstrap_interval
-
-    evals = results["evals"]
-    base = evals.get(f"warm_start@{split}", {}).get("report")
-    ks = tuple(k for k in ks if any(pass_at_per_task(base, t, k) for t in tasks))
-    if len(ks) < 2:
-        return []
-    labels = ["warm_start", *labels_of(results, split)]
-
-    def per_type(label: str, k: int) -> dict[str, dict[str, float]]:
-        rep = evals.get(f"{label}@{split}", {}).get("report")
-        return {t: pass_at_per_task(rep, t, k) for t in tasks}
-
-    def mean_cell(label: str, k: int) -> str:
-        per_id = [list(v.values()) for v in per_type(label, k).values() if v]
-        if not per_id:
-            return "–"
-        means = [sum(v) / len(v) for v in per_id]
-        # the interval of the task-type mean: each type's ids resampled within it, as mean_delta does
-        rng, draws = random.Random(0), []
-        for _ in range(RESAMPLES):
-            draws.append(sum(sum(v[rng.randrange(len(v))] for _ in v) / len(v) for v in per_id) / len(per_id))
-        draws.sort()
-        return f"{sum(means) / len(means):.3f} [{draws[int(0.025 * RESAMPLES)]:.3f}, {draws[int(0.975 * RESAMPLES) - 1]:.3f}]"
-
-    head = " | ".join(f"pass@{k}" for k in ks)
-    lines = [f"**{split} split, pass@k** (sampled pass at T = 1; mean of tasks [95 % bootstrap interval over tasks])", "",
-             f"| policy | {head} |", "|---|" + "---|" * len(ks)]
-    lines += [f"| {label} | {' | '.join(mean_cell(label, k) for k in ks)} |" for label in labels]
-    lines += ["", f"Change of pass@k against the warm start ({split}), points [95 % paired bootstrap]:", "",
-              f"| policy | {head} |", "|---|" + "---|" * len(ks)]
-    for label in labels[1:]:
-        cells = " | ".join(_delta_cell(mean_delta(per_type("warm_start", k), per_type(label, k))) for k in ks)
-        lines.append(f"| {label} | {cells} |")
-    top = ks[-1]
-    lines += ["", f"pass@{top} per task ({split}) [95 % bootstrap interval over tasks]:", "",
-              f"| policy | {' | '.join(tasks)} |", "|---|" + "---|" * len(tasks)]
-    for label in labels:
-        cells = []
-        for values in per_type(label, top).values():
-            if not values:
-                cells.append("–")
-                continue
-            lo, hi = bootstrap_interval([[v] for v in values.values()], resamples=RESAMPLES)
-            cells.append(f"{sum(values.values()) / len(values):.2f} [{lo:.2f}, {hi:.2f}]")
-        lines.append(f"| {label} | {' | '.join(cells)} |")
-    return lines + [""]
-
-
-def steps_to_gain(rows: list[dict[str, Any]], tasks: list[str], gain: float = 0.10, window: int = 3) -> int | None:
-    """The first RL step at which the training episodes' success (mean over the tasks, a moving mean over
-    ``window`` steps) stands ``gain`` above its first ``window`` steps; None if it never does."""
-    series = []
-    for r in rows:
-        values = [r[f"task/{t}/success"] for t in tasks if f"task/{t}/success" in r]
-        if values:
-            series.append((int(r["step"]), sum(values) / len(values)))
-    if len(series) < 2 * window:
-        return None
-    start = sum(v for _, v in series[:window]) / window
-    for i in range(window, len(series)):
-        if sum(v for _, v in series[i - window + 1: i + 1]) / window >= start + gain:
-            return series[i][0]
-    return None
-
-
-def sampler_table(results: dict[str, Any], tasks: list[str], split: str) -> list[str]:
-    """The task sampler on and off: flat groups (no signal: left out by ``trainer.filter_flat_groups``) among
-    the groups the rollout made, steps until the training success rose 10 points, and the probe's change."""
-    out, evals = Path(results.get("out", "")), results["evals"]
-    names = [n for n in results["runs"] if variant_of(n) in ("full", "sampler")]
-    if not any(variant_of(n) == "sampler" for n in names):
-        return []
-    base = evals.get(f"warm_start@{split}", {}).get("report")
-    lines = ["The learnability task sampler (`sampler`) beside the configured mix (`full`), the same seeds:", "",
-             "| run | steps | flat groups / groups made | steps until training success +10 points "
-             f"| sampled change ({split}, mean of tasks) |", "|---|---|---|---|---|"]
-    for name in names:
-        rows = read_metrics(out / name)
-        if not rows:
-            continue
-        flat = int(max(r.get("train/flat_groups", 0) for r in rows))
-        trained = int(sum(r.get("train/groups", 0) for r in rows))
-        rep = evals.get(f"{name}@{split}", {}).get("report")
-        before = {t: (task_report(base, "sampled", t) or {}).get("per_task_success", {}) for t in tasks}
-        after = {t: (task_report(rep, "sampled", t) or {}).get("per_task_success", {}) for t in tasks}
-        reached = steps_to_gain(rows, results["runs"][name].get("tasks", tasks))
-        share = f"{flat}/{flat + trained} ({flat / (flat + trained):.0%})" if flat + trained else "–"
-        lines.append(f"| {name} | {len(rows)} | {share} | {reached if reached is not None else 'not reached'} "
-                     f"| {_delta_cell(mean_delta(before, after)) if rep else '–'} |")
-    return lines + [""]
-
-
-def training_table(results: dict[str, Any]) -> list[str]:
-    """Per RL run, from its metrics.jsonl: steps, wall time per step, trained episodes, and how many trained
-    tokens had their advantage's sign changed by task normalisation (0 by construction with ``scale``)."""
-    out = Path(results.get("out", ""))
-    lines = ["Training runs (from each run's metrics.jsonl):", "",
-             "| run | steps | median s/step | episodes trained | `train/tokens` | advantage signs flipped by task norm |",
-             "|---|---|---|---|---|---|"]
-    for name in results["runs"]:
-        rows = read_metrics(out / name)
-        if name == "sft" or not rows:
-            continue
-        gaps = sorted(b["ts"] - a["ts"] for a, b in zip(rows, rows[1:], strict=False))
-        median = f"{gaps[len(gaps) // 2]:.1f}" if gaps else "–"
-        episodes = int(sum(r.get("train/trajectories", 0) for r in rows))
-        tokens = int(sum(r.get("train/tokens", 0) for r in rows))
-        flipped = int(sum(r.get("train/adv_sign_flipped", 0) for r in rows))
-        lines.append(f"| {name} | {len(rows)} | {median} | {episodes} | {tokens} | {flipped} |")
-    return lines + [""]
-
-
-def plots(results: dict[str, Any], out: Path, docs: Path, tasks: list[str], prefix: str) -> list[Path]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    written = []
-    sft = read_metrics(out / "sft")
-    if sft:
-        fig, ax = plt.subplots(figsize=(6, 3.5))
-        ax.plot([r["step"] for r in sft], [r.get("train/loss", float("nan")) for r in sft])
-        ax.set(xlabel="SFT step", ylabel="cross-entropy per token", title="warm start on oracle demonstrations")
-        ax.grid(alpha=0.3)
-        path = docs / f"{prefix}-sft-loss.png"
-        fig.tight_layout(), fig.savefig(path, dpi=110), plt.close(fig)
-        written.append(path)
-    for name in [n for n in results["runs"] if n != "sft"]:
-        rows = read_metrics(out / name)
-        if not rows:
-            continue
-        fig, ax = plt.subplots(figsize=(6, 3.5))
-        run_tasks = results["runs"][name].get("tasks", tasks)
-        for i, t in enumerate(run_tasks):
-            pts = [(r["step"], r[f"task/{t}/success"]) for r in rows if f"task/{t}/success" in r]
-            if not pts:
-                continue
-            xs, ys = zip(*pts, strict=True)
-            window = max(1, len(ys) // 10)
-            smooth = [sum(ys[max(0, j - window + 1): j + 1]) / len(ys[max(0, j - window + 1): j + 1])
-                      for j in range(len(ys))]
-            color = f"C{i}"
-            ax.plot(xs, ys, color=color, alpha=0.25, lw=0.8)
-            ax.plot(xs, smooth, color=color, label=f"{t} (training episodes, sampled)")
-            for split, marker in (("test", "o"), ("train", "s")):
-                before = success(results["evals"].get(f"warm_start@{split}", {}).get("report"), t)
-                after = success(results["evals"].get(f"{name}@{split}", {}).get("report"), t)
-                if before is not None and after is not None:
-                    ax.plot([0, xs[-1]], [before, after], marker=marker, ls=":", color=color,
-                            label=f"{t} eval {split} (greedy) before/after")
-        ax.set(xlabel="RL step", ylabel="success", ylim=(-0.02, 1.02), title=f"RL variant: {name}")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, loc="upper left")
-        path = docs / f"{prefix}-{name}.png"
-        fig.tight_layout(), fig.savefig(path, dpi=110), plt.close(fig)
-        written.append(path)
-    return written
-
-
-def write_doc(doc: Path, text: str, section: str = "results") -> None:
-    begin, end = f"<!-- {section}:begin -->", f"<!-- {section}:end -->"
-    body = doc.read_text() if doc.exists() else f"# Learning benchmark\n\n{begin}\n{end}\n"
-    if begin not in body:
-        body += f"\n{begin}\n{end}\n"
-    head, _, rest = body.partition(begin)
-    _, _, tail = rest.partition(end)
-    doc.write_text(f"{head}{begin}\n{text}\n{end}{tail}")
 
 
 # ---------------------------------------------------------------------------------------------- main
@@ -610,6 +349,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sft-time-limit-min", type=float, default=0.0,
                    help="the warm start's own time limit (0 = --time-limit-min); stopped there, it keeps the "
                         "steps it made")
+    p.add_argument("--eval-time-limit-min", type=float, default=0.0,
+                   help="each probe's own time limit (0 = --time-limit-min); a probe stopped there has no report")
     p.add_argument("--no-warm-eval", action="store_true", help="do not evaluate the warm start (another invocation does)")
     p.add_argument("--seeds", default="0", help="comma list of run.seed values: every RL variant runs once per "
                                                  "seed (seed 0 as <variant>, seed s as <variant>-s<s>)")
@@ -619,7 +360,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--resume", "--skip-done", dest="skip_done", action="store_true",
                    help="reuse the finished stages in --out (warm start, probes, RL runs) and their results; "
                         "run only what is missing or failed")
-    p.add_argument("--report-only", action="store_true", help="only rebuild table and plots from results.json")
+    p.add_argument("--record", default="",
+                   help="a JSON file (kept in the repository) holding every sitting: this --out's warm start, probes "
+                        "and runs go in under the warm start's digest; with --resume, runs another sitting of it "
+                        "holds are skipped; the report covers them all, each run against its own warm start")
+    p.add_argument("--report-only", action="store_true",
+                   help="only rebuild table and plots from results.json (or from --record)")
     p.add_argument("--write-doc", default="", help="markdown file whose results markers receive the table")
     p.add_argument("--doc-section", default="results", help="name of the markers in --write-doc")
     args = p.parse_args(argv)
@@ -632,8 +378,8 @@ def main(argv: list[str] | None = None) -> int:
 
     bench = Bench(args, overrides)
     if args.report_only:
-        bench.results = json.loads(bench.results_file.read_text())
-        tasks = bench.results.get("tasks", [])
+        if not bench.record_file:
+            bench.results = json.loads(bench.results_file.read_text())
     else:
         if args.tasks == "auto":
             from shared.tasks import registered_tasks
@@ -653,11 +399,16 @@ def main(argv: list[str] | None = None) -> int:
         bench.variants(warm, tasks)
         bench.results["total_wall_s"] = round(time.monotonic() - started, 1)
         bench.save()
-    text = table(bench.results, tasks, args.eval_splits)
+    # the report: every sitting of the record, or this directory's alone
+    flat = flatten(bench.record["sittings"] if bench.record_file else {"current": bench.results})
+    if not flat["runs"] and not flat["evals"]:
+        raise SystemExit(f"nothing to report: {args.record or bench.results_file} holds no run")
+    tasks = flat["tasks"]
+    text = table(flat, tasks, args.eval_splits)
     print(text)
     docs = ROOT / args.docs
     docs.mkdir(parents=True, exist_ok=True)
-    for path in plots(bench.results, bench.out, docs, tasks, args.prefix):
+    for path in plots(flat, docs, tasks, args.prefix):
         log(f"plot {path.relative_to(ROOT)}")
     if args.write_doc:
         write_doc(ROOT / args.write_doc, text, args.doc_section)

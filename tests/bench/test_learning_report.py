@@ -1,20 +1,24 @@
-"""The learning benchmark's report (bench/learning.py) on hand-made probe reports: run names per seed, pass@k
-per task from the sampled pass, the seeds' spread, steps until a gain, and the sampler table."""
+"""The learning benchmark's report (bench/learning_report.py) on hand-made probe reports: run names per seed,
+pass@k per task from the sampled pass, the seeds' spread, steps until a gain, the sampler table, and a record of
+several sittings (each with its own warm start) that the benchmark resumes from."""
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
 import pytest
 
-from bench.learning import (
+from bench.learning import Bench, model_digest, run_name
+from bench.learning_report import (
+    flatten,
     pass_at_k_table,
     pass_at_per_task,
-    run_name,
     sampler_table,
     seeds_table,
     steps_to_gain,
+    table,
     variant_of,
 )
 
@@ -90,7 +94,7 @@ def test_sampler_table_counts_flat_groups(tmp_path: Path) -> None:
     results = {"out": str(tmp_path), "runs": {"full": {"tasks": ["db"]}, "sampler": {"tasks": ["db"]}},
                "evals": {"warm_start@test": {"report": base}, "full@test": {"report": base},
                          "sampler@test": {"report": probe({"db": {"a": 0.5}})}}}
-    text = "\n".join(sampler_table(results, ["db"], "test"))
+    text = "\n".join(sampler_table(flatten({"current": results}), ["db"], "test"))
     assert "| full | 10 | 6/26 (23%) | not reached | +0.0" in text
     assert "| sampler | 10 | 2/22 (9%) | not reached | +50.0" in text
 
@@ -98,3 +102,74 @@ def test_sampler_table_counts_flat_groups(tmp_path: Path) -> None:
 @pytest.mark.parametrize("names", [["full"], ["full", "no_cross_policy"]])
 def test_no_sampler_table_without_a_sampler_run(names: list[str]) -> None:
     assert sampler_table({"runs": {n: {} for n in names}, "evals": {}}, ["db"], "test") == []
+
+
+def two_sittings() -> dict[str, dict]:
+    """Sitting A: warm start 0.0 on both ids, `full` +50 on one id. Sitting B: another warm start, already
+    at 0.5; `full-s1` from it reaches 1.0 on both ids (+50 against B, not +100 against A)."""
+    a = {"tasks": ["db"], "runs": {"sft": {"wall_s": 60.0}, "full": {"tasks": ["db"]}},
+         "evals": {"warm_start@test": {"report": probe({"db": {"x": 0.0, "y": 0.0}})},
+                   "full@test": {"report": probe({"db": {"x": 1.0, "y": 0.0}})}},
+         "metrics": {"sft": [{"step": 1, "ts": 0.0, "train/loss": 1.0}]}}
+    b = {"tasks": ["db"], "runs": {"sft": {"wall_s": 90.0}, "full-s1": {"tasks": ["db"]}},
+         "evals": {"warm_start@test": {"report": probe({"db": {"x": 0.5, "y": 0.5}})},
+                   "full-s1@test": {"report": probe({"db": {"x": 1.0, "y": 1.0}})}}}
+    return {"aaaa": a, "bbbb": b}
+
+
+def test_a_record_pairs_every_run_with_its_own_warm_start() -> None:
+    flat = flatten(two_sittings())
+    assert flat["base"] == {"full": "warm_start-aaaa", "full-s1": "warm_start-bbbb"}
+    assert set(flat["runs"]) == {"sft-aaaa", "full", "sft-bbbb", "full-s1"}
+    assert flat["metrics"]["sft-aaaa"][0]["train/loss"] == 1.0
+    text = table(flat, ["db"], ["test"])
+    assert "| warm_start-aaaa | 0.00 [" in text and "| warm_start-bbbb | 0.50 [" in text
+    assert "1.0 min" in text and "1.5 min" in text  # each warm start's own SFT wall time
+    sampled = text[text.index("Change against its warm start (test, sampled)"):]
+    assert "| full | +50.0" in sampled and "| full-s1 | +50.0" in sampled
+    # the seeds of `full` come from two sittings: +50 each
+    assert "| full | 2 | +50.0 (+50.0, +50.0) |" in "\n".join(seeds_table(flat, ["db"], "test"))
+    # one sitting alone keeps the plain names
+    one = flatten({"aaaa": two_sittings()["aaaa"]})
+    assert "warm_start@test" in one["evals"] and "sft" in one["runs"] and one["base"] == {"full": "warm_start"}
+
+
+def bench_args(tmp_path: Path, record: Path, resume: bool = True) -> argparse.Namespace:
+    return argparse.Namespace(out=str(tmp_path / "out"), time_limit_min=1.0, config="configs/smollm2.toml",
+                              skip_done=resume, record=str(record), eval_splits=["test"])
+
+
+def test_the_record_carries_runs_across_sittings(tmp_path: Path) -> None:
+    record = tmp_path / "record.json"
+    record.write_text(json.dumps({"sittings": two_sittings()}))
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "model.safetensors").write_bytes(b"new warm start")
+    bench = Bench(bench_args(tmp_path, record), [])
+    bench.adopt_warm_start(model)
+    digest = model_digest(model)
+    assert bench.digest == digest and len(digest) == 10
+    # runs another sitting ran and probed are not run again; the rest are
+    assert bench.recorded_elsewhere("full") == "aaaa" and bench.recorded_elsewhere("full-s1") == "bbbb"
+    assert bench.recorded_elsewhere("no_cross_policy") == ""
+    # this sitting went into the record under its digest, beside the two it found
+    saved = json.loads(record.read_text())["sittings"]
+    assert set(saved) == {"aaaa", "bbbb", digest}
+    assert saved[digest]["warm_start"]["digest"] == digest and saved[digest]["machine"]
+
+
+def test_the_same_warm_start_made_again_resumes_its_sitting(tmp_path: Path) -> None:
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "model.safetensors").write_bytes(b"warm start")
+    digest = model_digest(model)
+    sittings = two_sittings()
+    record = tmp_path / "record.json"
+    record.write_text(json.dumps({"sittings": {digest: sittings["aaaa"]}}))
+    bench = Bench(bench_args(tmp_path, record), [])
+    bench.adopt_warm_start(model)
+    # its probe and its run are this sitting's own: reused, not recorded "elsewhere"
+    assert "warm_start@test" in bench.results["evals"] and "full" in bench.results["runs"]
+    assert bench.recorded_elsewhere("full") == "" and bench.probed("full") and not bench.probed("no_task_norm")
+    (model / "model.safetensors").write_bytes(b"another warm start")
+    assert model_digest(model) != digest
