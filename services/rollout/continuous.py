@@ -530,13 +530,9 @@ class ContinuousEngine(QueuedEngine):
         mask.masked_fill_(torch.arange(longest)[None, :] >= lengths[:, None], float("-inf"))
         slot_index = torch.tensor(slots)
         local_slots = slot_index - first
-        # a family: the rows whose chains hold the same segments (prefixes of them included). Its bank is
-        # those segments only, so a row scores what it sees: grouped by the first segment alone, the bank of
-        # a group whose episodes have diverged held every episode's earlier turns (20 rows x 1,600 tokens:
-        # 32,000 keys a row, a step of multi-turn episodes 10-20x the work of their own contexts)
-        by_root: dict[tuple[int, ...], list[int]] = {}
+        by_root: dict[int, list[int]] = {}
         for i, (seq, _) in enumerate(decoding):
-            by_root.setdefault(tuple(dict.fromkeys(id(seg.root) for seg in seq.chain)), []).append(i)
+            by_root.setdefault(id(seq.chain[0].root) if seq.chain else 0, []).append(i)
         banks: dict[tuple[int, ...], Bank] = {}
         families = []
         for idx in by_root.values():

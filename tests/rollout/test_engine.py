@@ -168,31 +168,3 @@ async def test_bf16_matmuls_give_exact_logprobs_for_their_own_numbers(setup) -> 
 def test_an_unknown_matmul_dtype_is_refused(setup) -> None:
     with pytest.raises(ValueError, match="matmul_dtype"):
         ContinuousEngine(setup["path"], "c", setup["stop"], matmul_dtype="float8")
-
-
-async def test_a_decoding_row_scores_only_the_segments_of_its_own_chain(setup) -> None:
-    """Episodes of one group that have diverged (each has sealed turns of its own) are not one family: a
-    family's bank holds the segments its rows see, so a row's work follows its own context, not the group's."""
-    engine = ContinuousEngine(setup["path"], "c", setup["stop"], seed=3, slot_tokens=32, prefill_chunk=16)
-    group = prompts(4, seed=21, shared=60)
-    excess: list[int] = []  # bank width minus the longest sealed chain of the family's rows
-    original = engine._bank
-
-    def recording_bank(seqs, banks):  # noqa: ANN001, ANN202
-        bank, mask = original(seqs, banks)
-        if mask is not None:
-            excess.append(mask.shape[-1] - max(seq.chain_length for seq in seqs))
-        return bank, mask
-
-    engine._bank = recording_bank
-    try:
-        first = await asyncio.gather(*[engine.generate(p, 40, 1.0) for p in group])
-        later = [p + g.tokens + [31, 32, 33] for p, g in zip(group, first, strict=True)]
-        second = await asyncio.gather(*[engine.generate(p, 40, 1.0) for p in later])
-    finally:
-        engine.close()
-    # a bank may hold a whole segment of which a row sees a prefix (the group's opening), never other rows' turns
-    assert excess and max(excess) < 60 + 32
-    for p, g in zip(later, second, strict=True):
-        torch.testing.assert_close(torch.tensor(g.logprobs), teacher_forced(setup["model"], p, g.tokens),
-                                   rtol=1e-5, atol=1e-4)
