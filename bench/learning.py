@@ -438,7 +438,7 @@ def main(argv: list[str] | None = None) -> int:
     docs = ROOT / args.docs
     docs.mkdir(parents=True, exist_ok=True)
     for path in plots(flat, docs, tasks, args.prefix):
-        log(f"plot {path.relative_to(ROOT)}")
+        log(f"plot {path}")
     if args.write_doc:
         write_doc(ROOT / args.write_doc, text, args.doc_section)
         log(f"table written into {args.write_doc}")
