@@ -11,11 +11,13 @@
    probe of its final model: ``full`` (task normalisation + cross-policy sampling: by default older LoRA
    versions held in the one replica's engine, ``rollout.adapter_versions``; ``--adapter-versions 0``: a
    stale pool engine of its own), ``no_task_norm``, ``no_cross_policy`` (one engine, the current version
-   only), ``expert-<task>`` (the full recipe on one task only), and ``sampler`` (``full`` with the learnability task sampler, to set beside ``full``: flat groups and gains).
+   only), ``expert-<task>`` (the full recipe on one task only), and ``sampler`` (``full`` with the
+   learnability task sampler, to set beside ``full``: flat groups and gains).
    ``--seeds 0,1`` runs every variant once per ``run.seed`` (seed 0 as ``<variant>``, seed s as
    ``<variant>-s<s>``); ``--expert-steps`` gives the experts their own number of steps.
-4. **Report** (``bench/learning_report.py``): ``<out>/results.json``, a markdown table per pass (printed, and written into
-   ``docs/benchmarks/learning.md`` between the ``<!-- results:begin/end -->`` markers with ``--write-doc``):
+4. **Report** (``bench/learning_report.py``): ``<out>/results.json``, a markdown table per pass (printed,
+   and written into ``docs/benchmarks/learning.md`` between the ``<!-- results:begin/end -->`` markers with
+   ``--write-doc``):
    success with a 95 % bootstrap interval over the evaluated tasks, and each variant's change against the
    warm start with a *paired* bootstrap interval (the same tasks before and after, resampled together);
    PNG plots in ``docs/benchmarks/``: per-task training success over steps for each variant (with the
@@ -130,22 +132,6 @@ def machine() -> str:
     return f"{name}, {os.cpu_count()} cores, {' '.join(wide) or 'AVX2 only (no AVX-512, no AMX)'}"
 
 
-def finished_types(report: dict[str, Any], eval_limit: int, samples: int) -> dict[str, Any]:
-    """The task types of a stopped probe's report that finished every attempt of every task (``eval_limit``
-    tasks, one greedy attempt each, ``samples`` sampled); the rest are left out, not reported on fewer
-    attempts. With ``eval_limit`` 0 the number of tasks is not known: types with every attempt of the tasks
-    that started are kept."""
-    attempts = {"greedy": 1, "sampled": max(1, samples)}
-    kept: dict[str, Any] = {}
-    for pass_name, by_task in report.items():
-        if pass_name not in attempts:
-            kept[pass_name] = by_task
-            continue
-        kept[pass_name] = {t: r for t, r in by_task.items()
-                           if r["episodes"] == r["tasks"] * attempts[pass_name] and (not eval_limit or r["tasks"] == eval_limit)}
-    return kept
-
-
 def tasks_arg(tasks: list[str]) -> str:
     return "--run.tasks=" + json.dumps({t: 1.0 for t in tasks}, separators=(",", ":"))
 
@@ -252,28 +238,16 @@ class Bench:
             key = f"{label}@{split}"
             run_dir = self.out / f"eval-{label}-{split}"
             report_file = run_dir / "eval.json"
-            prior = self.results["evals"].get(key)
-            if self.args.skip_done and prior and prior.get("report"):
-                continue
-            if self.args.skip_done and prior and prior.get("timeout") and report_file.exists():
-                # stopped at its limit by an earlier invocation: its finished task types are kept
-                prior |= {"report": finished_types(json.loads(report_file.read_text()), self.args.eval_limit,
-                                                   self.args.eval_samples), "partial": True}
-                self.save()
+            if self.args.skip_done and (self.results["evals"].get(key) or {}).get("report"):
                 continue
             cmd = [*self.base("probe"), f"--run.dir={run_dir}", f"--model.name={model}", tasks_arg(tasks),
                    f"--controller.eval_split={split}", f"--controller.eval_limit={self.args.eval_limit}",
                    f"--controller.eval_samples={self.args.eval_samples}", f"--rollouts={self.args.rollouts}",
                    "--rollout.torch_threads=2"]  # generation alone: both cores
-            report_file.unlink(missing_ok=True)
+            report_file.unlink(missing_ok=True)  # an earlier probe's report is not this one's
             eval_limit_s = (self.args.eval_time_limit_min * 60) or self.limit_s
             res = run_cmd(cmd, self.out / f"eval-{label}-{split}.log", eval_limit_s)
-            report = json.loads(report_file.read_text()) if report_file.exists() else None
-            if report is not None and res["rc"] != 0:
-                # a probe stopped at its limit writes what it finished (the controller's report on stop)
-                report = finished_types(report, self.args.eval_limit, self.args.eval_samples) if res["timeout"] else None
-                res["partial"] = report is not None
-            res["report"] = report
+            res["report"] = json.loads(report_file.read_text()) if report_file.exists() and res["rc"] == 0 else None
             self.results["evals"][key] = res
             self.save()
 

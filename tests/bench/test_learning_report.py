@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.learning import Bench, finished_types, model_digest, run_name
+from bench.learning import Bench, model_digest, run_name
 from bench.learning_report import (
     flatten,
     pass_at_k_table,
@@ -134,9 +134,9 @@ def test_a_record_pairs_every_run_with_its_own_warm_start() -> None:
     assert "warm_start@test" in one["evals"] and "sft" in one["runs"] and one["base"] == {"full": "warm_start"}
 
 
-def bench_args(tmp_path: Path, record: Path, resume: bool = True) -> argparse.Namespace:
+def bench_args(tmp_path: Path, record: Path) -> argparse.Namespace:
     return argparse.Namespace(out=str(tmp_path / "out"), time_limit_min=1.0, config="configs/smollm2.toml",
-                              skip_done=resume, record=str(record), eval_splits=["test"])
+                              skip_done=True, record=str(record), eval_splits=["test"])
 
 
 def test_the_record_carries_runs_across_sittings(tmp_path: Path) -> None:
@@ -173,12 +173,3 @@ def test_the_same_warm_start_made_again_resumes_its_sitting(tmp_path: Path) -> N
     assert bench.recorded_elsewhere("full") == "" and bench.probed("full") and not bench.probed("no_task_norm")
     (model / "model.safetensors").write_bytes(b"another warm start")
     assert model_digest(model) != digest
-
-
-def test_a_stopped_probe_keeps_the_task_types_it_finished() -> None:
-    report = probe({"db": {"a": 1.0, "b": 0.0}, "alfworld": {"a": 0.5, "b": 0.0}}, samples=4)
-    report["sampled"]["alfworld"]["episodes"] = 6  # 2 of the 8 attempts unfinished when it stopped
-    kept = finished_types(report, eval_limit=2, samples=4)
-    assert set(kept["greedy"]) == {"db", "alfworld"} and set(kept["sampled"]) == {"db"}
-    # a type of which some tasks never started is left out too
-    assert set(finished_types(report, eval_limit=3, samples=4)["greedy"]) == set()
