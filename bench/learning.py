@@ -132,6 +132,25 @@ def machine() -> str:
     return f"{name}, {os.cpu_count()} cores, {' '.join(wide) or 'AVX2 only (no AVX-512, no AMX)'}"
 
 
+def finished_types(partial: dict[str, Any]) -> dict[str, Any]:
+    """The task types of a stopped probe's report (``eval.partial.json``) whose every planned episode came
+    back, per pass; the others are left out, not reported on fewer attempts."""
+    return {name: {task: r for task, r in by_task.items() if r.get("complete")} for name, by_task in partial.items()}
+
+
+def merge_probes(kept: dict[str, Any], new: dict[str, Any], tasks: list[str]) -> tuple[dict[str, Any], list[str]]:
+    """A probe report of what ``kept`` and ``new`` finished (``new`` wins for a type both hold), and the types
+    of ``tasks`` that some pass of it lacks: what a resumed probe still plays."""
+    merged = {name: {**kept.get(name, {}), **new.get(name, {})} for name in sorted({*kept, *new})}
+    missing = [t for t in tasks if not merged or any(t not in by_task for by_task in merged.values())]
+    return merged, missing
+
+
+def whole(evaluation: dict[str, Any] | None) -> bool:
+    """A probe with a report for every task type it was asked for."""
+    return bool(evaluation and evaluation.get("report") and not evaluation.get("missing"))
+
+
 def tasks_arg(tasks: list[str]) -> str:
     return "--run.tasks=" + json.dumps({t: 1.0 for t in tasks}, separators=(",", ":"))
 
@@ -182,13 +201,13 @@ class Bench:
         """The digest of another sitting of the record that ran and probed ``name`` ("" if none)."""
         for digest, sitting in self.record["sittings"].items():
             if digest != self.digest and name in sitting.get("runs", {}) and \
-                    any(k.startswith(f"{name}@") and v.get("report") for k, v in sitting.get("evals", {}).items()):
+                    any(k.startswith(f"{name}@") and whole(v) for k, v in sitting.get("evals", {}).items()):
                 return digest
         return ""
 
     def probed(self, name: str) -> bool:
         """Whether ``name``'s final model was probed on every split (its model is then no longer needed)."""
-        return all((self.results["evals"].get(f"{name}@{split}") or {}).get("report") for split in self.args.eval_splits)
+        return all(whole(self.results["evals"].get(f"{name}@{split}")) for split in self.args.eval_splits)
 
     def adopt_warm_start(self, model: Path) -> None:
         """Name this sitting by its warm start's digest; with --resume, a sitting of the record with the same
@@ -237,17 +256,26 @@ class Bench:
         for split in self.args.eval_splits:
             key = f"{label}@{split}"
             run_dir = self.out / f"eval-{label}-{split}"
-            report_file = run_dir / "eval.json"
-            if self.args.skip_done and (self.results["evals"].get(key) or {}).get("report"):
+            report_file, partial_file = run_dir / "eval.json", run_dir / "eval.partial.json"
+            prior = self.results["evals"].get(key) or {}
+            if self.args.skip_done and whole(prior):
                 continue
-            cmd = [*self.base("probe"), f"--run.dir={run_dir}", f"--model.name={model}", tasks_arg(tasks),
+            # resumed after a probe stopped at its limit: the types it finished are kept, the rest played now
+            kept = (prior.get("report") or {}) if self.args.skip_done else {}
+            todo = prior["missing"] if kept and prior.get("missing") else tasks
+            cmd = [*self.base("probe"), f"--run.dir={run_dir}", f"--model.name={model}", tasks_arg(todo),
                    f"--controller.eval_split={split}", f"--controller.eval_limit={self.args.eval_limit}",
                    f"--controller.eval_samples={self.args.eval_samples}", f"--rollouts={self.args.rollouts}",
                    "--rollout.torch_threads=2"]  # generation alone: both cores
             report_file.unlink(missing_ok=True)  # an earlier probe's report is not this one's
             eval_limit_s = (self.args.eval_time_limit_min * 60) or self.limit_s
             res = run_cmd(cmd, self.out / f"eval-{label}-{split}.log", eval_limit_s)
-            res["report"] = json.loads(report_file.read_text()) if report_file.exists() and res["rc"] == 0 else None
+            if report_file.exists() and res["rc"] == 0:
+                new = json.loads(report_file.read_text())
+            else:  # stopped at its limit: what it finished (the controller writes it on the way out)
+                new = finished_types(json.loads(partial_file.read_text())) if partial_file.exists() else {}
+            report, missing = merge_probes(kept, new, tasks)
+            res |= {"report": report if any(report.values()) else None, "missing": missing}
             self.results["evals"][key] = res
             self.save()
 

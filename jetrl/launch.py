@@ -118,6 +118,7 @@ def launch(args: argparse.Namespace, overrides: list[str], mode: str = "up") -> 
     if cfg.nats.auth_dir and cfg.nats.embedded_auth and server is not None:
         sup.replica_users = {name: replica_user(name) for name in replica_services(cfg, args)}
     (run_dir / "controller.url").unlink(missing_ok=True)  # an earlier run's; the new controller writes its own
+    (run_dir / "eval.partial.json").unlink(missing_ok=True)  # an earlier stopped eval's
     stop = asyncio.Event()
     rc = 1
     try:
@@ -148,14 +149,20 @@ def launch(args: argparse.Namespace, overrides: list[str], mode: str = "up") -> 
         if stop.is_set():
             print(f"jetrl {mode}: interrupted, stopping services", flush=True)
             rc = 130
-        elif evaluating and rc == 0:
+        elif evaluating and rc == 0 and (run_dir / "eval.json").exists():
             print_eval(json.loads((run_dir / "eval.json").read_text()))
+        elif evaluating and rc == 0:  # the controller was stopped on its own before the end
+            rc = 1
         elif mode == "sft" and rc == 0:
             print(f"jetrl sft: warm-start model in {run_dir / 'model'} (use --model.name={run_dir / 'model'})")
     finally:
         sup.stop_all()
         if server is not None:
             server.stop()
+    partial = run_dir / "eval.partial.json"
+    if evaluating and rc != 0 and partial.exists():  # the controller's report of what finished before the stop
+        print_eval(json.loads(partial.read_text()))
+        print(f"\njetrl {mode}: stopped before the end; what finished is in {partial}", flush=True)
     return rc
 
 

@@ -153,8 +153,9 @@ def print_eval(report: dict[str, Any]) -> None:
             lo, hi = r["success_ci95"]
             pass_k = next((f"{k} {v:.3f} [{r[k + '_ci95'][0]:5.3f},{r[k + '_ci95'][1]:5.3f}]" for k, v in r.items()
                            if k.startswith("pass@") and not k.endswith("_ci95")), "")
+            unfinished = "" if r.get("complete", True) else f"  (stopped: {r['episodes']} of {r['planned']} episodes)"
             print(f"{'':{len(name) + 2}s}{task:18s} {r['episodes']:8d} {r['success']:8.3f} [{lo:5.3f},{hi:5.3f}] "
-                  f"{r['well_formed_rate']:11.3f} {r['mean_turns']:6.2f}  {pass_k}")
+                  f"{r['well_formed_rate']:11.3f} {r['mean_turns']:6.2f}  {pass_k}{unfinished}")
             for part in ("by_level", "by_kind"):
                 for key, b in r[part].items():
                     if len(r[part]) > 1:

@@ -162,13 +162,21 @@ class Supervisor:
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
         started = time.monotonic()
-        for name, p in sorted(self.procs.items(), key=lambda item: item[0].startswith("trainer")):
-            grace = trainer_grace_s if name.startswith("trainer") else timeout_s
-            try:
-                p.wait(timeout=max(0.1, started + grace - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        try:
+            for name, p in sorted(self.procs.items(), key=lambda item: item[0].startswith("trainer")):
+                grace = trainer_grace_s if name.startswith("trainer") else timeout_s
+                try:
+                    p.wait(timeout=max(0.1, started + grace - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
+        except KeyboardInterrupt:  # Ctrl-C again while the services stop: no more waiting
+            print("jetrl: interrupted again: killing the services that are still stopping", file=sys.stderr,
+                  flush=True)
+            for p in self.procs.values():
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
         until = time.monotonic() + 3.0  # a service's last lines may still be in its pipe: into its log before we go
         for copy in self.log_copies:
             copy.join(timeout=max(0.0, until - time.monotonic()))

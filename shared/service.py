@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from collections.abc import Awaitable, Callable, Coroutine
-from contextlib import AsyncExitStack
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
+from contextlib import AsyncExitStack, contextmanager
 from types import TracebackType
 from typing import Any
 
 import structlog
+import uvicorn
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 
@@ -101,3 +102,18 @@ def listen(host: str, port: int) -> tuple[socket.socket, str]:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
     return sock, f"http://{host}:{sock.getsockname()[1]}"
+
+
+class HttpServer(uvicorn.Server):
+    """uvicorn inside a service. The service's ``stop`` owns SIGINT and SIGTERM, and the server ends when
+    the service sets ``should_exit`` on its way out. uvicorn would otherwise take the signals for itself,
+    end its own serve(), and raise the signal again once it returned. The service would then see a second
+    signal while stopping, and a second signal exits at once: a probe's report would not be written."""
+
+    @contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def http_server(app: Any) -> HttpServer:
+    return HttpServer(uvicorn.Config(app, log_level="warning", lifespan="off"))

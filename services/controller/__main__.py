@@ -6,8 +6,6 @@ import asyncio
 import sys
 from pathlib import Path
 
-import uvicorn
-
 from services.controller.api import create_app
 from services.controller.controller import Controller
 from services.controller.modes import evaluate, publish_until_stopped
@@ -15,7 +13,7 @@ from shared.auth import controller_token, manages_topology
 from shared.bus import replica_name
 from shared.config import from_argv
 from shared.lifecycle import exit_code
-from shared.service import Service, listen
+from shared.service import Service, http_server, listen
 
 
 async def main(argv: list[str]) -> None:
@@ -34,8 +32,7 @@ async def main(argv: list[str]) -> None:
         controller = Controller(nc, js, svc.subjects, cfg, svc.replica_id)
         controller.creates_durables = manages_topology(cfg.nats, "controller")
         await controller.follow_metrics_and_weights()
-        server = uvicorn.Server(uvicorn.Config(create_app(controller, controller_token(cfg.controller)),
-                                               log_level="warning", lifespan="off"))
+        server = http_server(create_app(controller, controller_token(cfg.controller)))
         # the HTTP server listens on one socket: if it fails, the service restarts
         svc.background("http_api", lambda: server.serve(sockets=[sock]), restart_s=None)
         svc.background("trajectory_tracking", controller.track_trajectories)

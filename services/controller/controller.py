@@ -218,8 +218,15 @@ class Controller(RunBooks):
         samples = {"greedy": 1, "sampled": max(1, c.eval_samples)}
         temperature = {"greedy": 0.0, "sampled": c.eval_temperature}
         self.eval_results = {name: defaultdict(list) for name in c.eval_passes}
-        ids = {task: all_ids[: c.eval_limit or None]
-               for task, all_ids in (await self.fetch_task_ids(split=c.eval_split, train_limit=False)).items()}
+        fetch = asyncio.ensure_future(self.fetch_task_ids(split=c.eval_split, train_limit=False))
+        stopped = asyncio.ensure_future(stop.wait())
+        await asyncio.wait({fetch, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        stopped.cancel()
+        if not fetch.done():  # stopped while the envs were still coming up: nothing was played
+            fetch.cancel()
+            self.state = "stopped"
+            return {name: {} for name in c.eval_passes}
+        ids = {task: all_ids[: c.eval_limit or None] for task, all_ids in fetch.result().items()}
         # what the run will publish, per task: `jetrl eval` shows progress and an ETA against it
         self.eval_planned = {task: len(task_ids) * sum(samples[name] for name in c.eval_passes)
                              for task, task_ids in ids.items()}
@@ -229,6 +236,8 @@ class Controller(RunBooks):
                     group_id = f"eval-{name}-{task}-{task_id}-{uuid.uuid4().hex[:6]}"
                     for i in range(samples[name]):
                         await self._wait_for_capacity(stop)
+                        if stop.is_set():  # stopped: publish no more; what finished is still reported
+                            break
                         job = EpisodeJob(episode_id=f"{group_id}-{i}", group_id=group_id, task=task, task_id=task_id,
                                          split=c.eval_split, group_size=samples[name],
                                          temperature=temperature[name], max_new_tokens=self.cfg.rollout.max_new_tokens)
@@ -237,7 +246,11 @@ class Controller(RunBooks):
                         self.track(job.episode_id, task)
         while len(self.inflight) and not stop.is_set():
             await asyncio.sleep(0.5)
-        report = eval_report(self.eval_results, samples)
+        planned = {name: {task: len(task_ids) * samples[name] for task, task_ids in ids.items()} for name in c.eval_passes}
+        report = eval_report(self.eval_results, samples, planned)
+        if stop.is_set():  # a partial report: the caller keeps it apart; the bus may already be going down
+            self.state = "stopped"
+            return report
         self.state = "finished"
         await self.nc.publish(self.subjects.run_control, self.control(RunControl(event="eval_finished", info=report)))
         return report

@@ -15,12 +15,18 @@ log = structlog.get_logger()
 
 
 async def evaluate(controller: Controller, stop: asyncio.Event, run_dir: Path) -> None:
-    """Every task of the eval split, then the report in <run>/eval.json (``jetrl eval`` waits for it)."""
+    """Every task of the eval split, then the report in <run>/eval.json (``jetrl eval`` waits for it); stopped
+    before the end, what finished in <run>/eval.partial.json (each task's report says if it is ``complete``)."""
     try:
         report = await controller.run_eval(stop)
     except RuntimeError as exc:  # no env answered: say so and wait to be stopped, not crash-loop
         controller.fail(exc)
         await stop.wait()
+        return
+    if stop.is_set():  # stopped before the end: what finished, in a file of its own (eval.json is a whole report)
+        (run_dir / "eval.partial.json").write_text(json.dumps(report, indent=2) + "\n")
+        log.info("eval_stopped", complete={name: [t for t, r in by_task.items() if r["complete"]]
+                                           for name, by_task in report.items()})
         return
     (run_dir / "eval.json").write_text(json.dumps(report, indent=2) + "\n")
     log.info("eval_done", report=report)

@@ -111,7 +111,19 @@ def task_report(trajs: list[Trajectory], samples: int) -> dict[str, Any]:
     return report
 
 
-def eval_report(results: dict[str, dict[str, list[Trajectory]]], samples: dict[str, int]) -> dict[str, Any]:
-    """``results[pass][task]`` -> ``report[pass][task]``; ``samples[pass]`` attempts per task."""
-    return {name: {task: task_report(trajs, samples[name]) for task, trajs in sorted(by_task.items()) if trajs}
-            for name, by_task in results.items()}
+def eval_report(results: dict[str, dict[str, list[Trajectory]]], samples: dict[str, int],
+                planned: dict[str, dict[str, int]] | None = None) -> dict[str, Any]:
+    """``results[pass][task]`` -> ``report[pass][task]``; ``samples[pass]`` attempts per task. With
+    ``planned[pass][task]`` (the episodes the eval published for it), each task's report says how many were
+    planned and whether every one came back (``complete``): a stopped eval's report tells which tasks it finished."""
+    report: dict[str, Any] = {}
+    for name, by_task in results.items():
+        report[name] = {}
+        for task, trajs in sorted(by_task.items()):
+            if not trajs:
+                continue
+            report[name][task] = task_report(trajs, samples[name])
+            if planned is not None:
+                want = planned.get(name, {}).get(task, 0)
+                report[name][task] |= {"planned": want, "complete": len(trajs) >= want}
+    return report

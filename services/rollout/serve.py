@@ -6,13 +6,12 @@ from pathlib import Path
 from typing import Any
 
 import structlog
-import uvicorn
 from nats.aio.client import Client
 
 from services.rollout.engine import Engine
 from shared.config import JetRLConfig
 from shared.messages import BadMessage, TrainingFinished, decode
-from shared.service import listen
+from shared.service import http_server, listen
 from shared.signing import SignatureError, verifier_for
 from shared.subjects import Subjects
 
@@ -47,7 +46,7 @@ async def serve_openai(cfg: JetRLConfig, engine: Engine | None, tokenizer: Any, 
         log.info("followed_run_ended", step=done.step, policy_version=done.policy_version)
 
     finished = await nc.subscribe(subjects.training_finished, cb=on_finished)
-    server = uvicorn.Server(uvicorn.Config(create_app(chat), log_level="warning", lifespan="off"))
+    server = http_server(create_app(chat))
     run_dir = Path(cfg.run.dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "serve.url").write_text(url + "\n")

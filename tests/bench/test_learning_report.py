@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.learning import Bench, model_digest, run_name
+from bench.learning import Bench, finished_types, merge_probes, model_digest, run_name, whole
 from bench.learning_report import (
     flatten,
     pass_at_k_table,
@@ -173,3 +173,21 @@ def test_the_same_warm_start_made_again_resumes_its_sitting(tmp_path: Path) -> N
     assert bench.recorded_elsewhere("full") == "" and bench.probed("full") and not bench.probed("no_task_norm")
     (model / "model.safetensors").write_bytes(b"another warm start")
     assert model_digest(model) != digest
+
+
+def test_a_stopped_probe_keeps_its_whole_task_types_and_a_resumed_one_plays_the_rest() -> None:
+    stopped = probe({"db": {"a": 1.0, "b": 0.0}, "alfworld": {"a": 0.0}}, samples=4)
+    for name, by_task in stopped.items():  # as the controller writes eval.partial.json on its way out
+        for task, r in by_task.items():
+            r["planned"] = 2 * (1 if name == "greedy" else 4)
+            r["complete"] = task == "db" or name == "greedy"
+    kept, missing = merge_probes({}, finished_types(stopped), ["db", "alfworld"])
+    assert sorted(kept["greedy"]) == ["alfworld", "db"] and sorted(kept["sampled"]) == ["db"]
+    assert missing == ["alfworld"]  # its sampled pass did not finish: the resumed probe plays alfworld again
+    assert not whole({"report": kept, "missing": missing})
+    resumed = probe({"alfworld": {"a": 0.25, "b": 0.0}}, samples=4)
+    merged, missing = merge_probes(kept, resumed, ["db", "alfworld"])
+    assert missing == [] and whole({"report": merged, "missing": missing})
+    assert merged["greedy"]["db"] is kept["greedy"]["db"]
+    assert merged["sampled"]["alfworld"]["per_task_success"] == {"a": 0.25, "b": 0.0}  # the resumed probe's
+    assert merge_probes({}, {}, ["db"]) == ({}, ["db"])

@@ -61,6 +61,12 @@ def test_report_per_level_kind_and_well_formed_rate_by_hand() -> None:
     lo, hi = s["pass@2_ci95"]
     assert 0.0 <= lo < 2 / 3 < hi <= 1.0
     assert s["per_task_success"] == {"a": 1.0, "b": 0.5, "c": 0.0}
+    assert "complete" not in s  # without the plan, no completeness
+    # stopped before the end: each task says what was planned and whether all of it came back
+    stopped = eval_report({"greedy": {"db": greedy}, "sampled": {"db": sampled}}, {"greedy": 1, "sampled": 2},
+                          planned={"greedy": {"db": 4}, "sampled": {"db": 8}})
+    assert (stopped["greedy"]["db"]["planned"], stopped["greedy"]["db"]["complete"]) == (4, True)
+    assert (stopped["sampled"]["db"]["planned"], stopped["sampled"]["db"]["complete"]) == (8, False)
 
 
 def test_pass_at_k_with_its_interval_by_hand() -> None:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from nats.js.errors import NoKeysError
 
 from services.rollout.openai_api import choice_message
 from services.rollout.openai_client import history_after_turn
@@ -222,7 +223,13 @@ async def test_jetrl_serve_implements_or_refuses_each_parameter_and_knows_when_i
     subjects = Subjects(served.prefix)
     nc = await connect(config.nats, "pytest-serve-end")
     kv = await nc.jetstream().key_value(subjects.registry_kv)
-    roles = {decode((await kv.get(key)).value, Heartbeat).role for key in await kv.keys()}
+    roles: set[str] = set()
+    deadline = time.monotonic() + config.nats.heartbeat_ttl_s + 10
+    while not roles and time.monotonic() < deadline:  # a key lapses when two busy cores delay its heartbeat
+        try:
+            roles = {decode((await kv.get(key)).value, Heartbeat).role for key in await kv.keys()}
+        except NoKeysError:
+            await asyncio.sleep(0.5)
     assert roles == {"rollout-serve"}  # not a rollout replica: it plays no episodes
     health = f"{served.url.rsplit('/v1', 1)[0]}/health"
     assert json.load(urllib.request.urlopen(health, timeout=5))["status"] == "ok"

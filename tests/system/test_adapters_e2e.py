@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -81,3 +83,32 @@ def test_jetrl_up_and_eval_run_every_adapter(tmp_path: Path) -> None:
     for task in TASKS:
         assert report[task]["episodes"] == 2, report[task]
         assert report[task]["statuses"].get("env_error", 0) == 0, (task, report[task]["statuses"])
+
+
+def test_a_stopped_eval_keeps_what_it_finished_and_says_which_tasks_are_whole(tmp_path: Path) -> None:
+    """SIGINT to `jetrl eval` part way: no eval.json (that is a whole report), but eval.partial.json with every
+    episode that came back, each task's report naming the episodes it planned and whether all came back."""
+    config = adapters_run(tmp_path, "stopped")
+    run_dir = tmp_path / "stopped"
+    out = open(tmp_path / "eval.out", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "jetrl.cli", "eval", "--config", str(config), "--rollouts", "1",
+                             '--controller.eval_passes=["greedy", "sampled"]', "--controller.eval_samples=200"],
+                            cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 300
+    closed = 0
+    while closed < 40 and proc.poll() is None and time.monotonic() < deadline:  # some episodes back, most not
+        time.sleep(0.5)
+        closed = sum(p.read_text().count("event='session_closed'") for p in (run_dir / "logs").glob("env-*.log"))
+    assert proc.poll() is None, f"the eval ended before it was stopped:\n{log_tails(run_dir)}"
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=120) == 130
+    assert not (run_dir / "eval.json").exists()
+    partial = json.loads((run_dir / "eval.partial.json").read_text())
+    planned = {"greedy": 2, "sampled": 2 * 200}
+    episodes = 0
+    for name, by_task in partial.items():
+        for task, report in by_task.items():
+            assert report["planned"] == planned[name], (name, task, report["planned"])
+            assert report["complete"] == (report["episodes"] == planned[name]) and report["episodes"] <= planned[name]
+            episodes += report["episodes"]
+    assert episodes >= 1 and not all(r["complete"] for by_task in partial.values() for r in by_task.values())
