@@ -10,7 +10,8 @@ tokens/s, prompt tokens encoded (``prefilled``) and sealed into shared segments 
 
     .venv/bin/python bench/bench_long_context.py --settings slot1024,slot4096 [--repeats 2]
 
-A setting is ``slot<N>`` (``rollout.continuous.kv_slot_tokens`` = N); the resident KV budget is sized so
+A setting is ``slot<N>`` (``rollout.continuous.kv_slot_tokens`` = N), ``slot<N>-bf16`` with bf16 matmuls
+(``rollout.continuous.matmul_dtype``); the resident KV budget is sized so
 that no running or waiting episode is evicted in either (``--episodes`` x the context, plus the opening).
 """
 
@@ -29,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from services.rollout.continuous import ContinuousEngine  # noqa: E402
+from shared.config import ModelConfig  # noqa: E402
 from shared.model import load_tokenizer, resolve_model  # noqa: E402
 
 OPENING = ("Interact with a household to solve a task. Imagine you are an intelligent agent in a household "
@@ -49,11 +51,13 @@ async def episode(engine: ContinuousEngine, opening: list[int], vocab: list[int]
 
 async def run_setting(setting: str, model_path: Path, opening: list[int], vocab: list[int],
                       args: argparse.Namespace) -> dict[str, float]:
-    slot_tokens = int(setting.removeprefix("slot"))
+    slots, _, dtype = setting.partition("-")
+    slot_tokens = int(slots.removeprefix("slot"))
     cache_tokens = (args.episodes + 1) * max(args.context, slot_tokens) + len(opening)
     engine = ContinuousEngine(model_path, f"bench-{setting}", stop_token_ids=[], threads=args.threads,
                               max_batch=max(64, args.episodes), slot_tokens=slot_tokens, cache_tokens=cache_tokens,
-                              max_context=args.context + args.gen)
+                              max_context=args.context + args.gen,
+                              matmul_dtype="bfloat16" if dtype == "bf16" else "float32")
     try:
         started = time.perf_counter()
         sampled = await asyncio.gather(*(episode(engine, opening, vocab, i, args) for i in range(args.episodes)))
@@ -77,7 +81,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1, help="rounds over the settings; the table shows medians")
     args = parser.parse_args()
     torch.manual_seed(0)
-    model_path = resolve_model(args.model)
+    model_path = resolve_model(ModelConfig(name=args.model))
     tok = load_tokenizer(model_path)
     opening = tok.encode(OPENING * 6, add_special_tokens=False)  # ~200 tokens, as long as alfworld's instruction
     vocab = [i for i in tok.encode(OPENING * 2 + "a shelf, a cabinet 1, a countertop 2, a drawer 3, the fridge",

@@ -25,7 +25,9 @@ class ContinuousEngineConfig:
     kv_cache_tokens: int = opt(65536, "tokens of KV cache kept for later turns and shared prefixes (~46 KB each "
                                       "for SmolLM2 in fp32)", ge=0)
     kv_slot_tokens: int = opt(1024, "tokens of a sequence's own growing KV tail (one slot each; a full tail is "
-                                    "sealed into a segment)", ge=1)
+                                    "sealed into a segment). A slot costs memory only where it is written; "
+                                    "long episodes decode faster with slots as long as their context "
+                                    "(bench/bench_long_context.py), with kv_cache_tokens raised to match", ge=1)
     matmul_dtype: MatmulDtype = opt("float32", "dtype of the matmuls: float32 (behaviour logprobs exact against the "
                                                "fp32 trainer) or bfloat16 (~2x faster decode matmuls on CPUs with "
                                                "bf16 matrix units, AMX; the policy's numbers move by a mean KL of "
