@@ -186,7 +186,15 @@ def test_a_store_serves_one_server_and_the_server_dies_with_its_parent(tmp_path)
     while os.path.exists(f"/proc/{server_pid}") and "Z" not in open(f"/proc/{server_pid}/stat").read().split()[2]:
         assert time.monotonic() < deadline, "nats-server outlived its parent"
         time.sleep(0.1)
-    check_store_free(store)
+    # A multi-threaded server's leader thread shows "Z" while its other threads are still exiting with the
+    # shared file table, the lock among it: the store is free a moment later, not at the same instant.
+    while True:
+        try:
+            check_store_free(store)
+            break
+        except StoreInUse:
+            assert time.monotonic() < deadline, "the store stayed locked after its server and holder were gone"
+            time.sleep(0.1)
     with EmbeddedNats(store) as url:  # the store is free: the next run resumes on it
         assert url.startswith("nats://")
 
