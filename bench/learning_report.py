@@ -176,6 +176,9 @@ def table(results: dict[str, Any], tasks: list[str], splits: list[str]) -> str:
                         if run else "")
                 cells = " | ".join(_cell(task_report(rep, pass_name, t)) for t in tasks)
                 lines.append(f"| {label} | {cells} | {mean} | {wall} |")
+            if not labels:  # no run probed yet: no change to show
+                lines.append("")
+                continue
             against = "its warm start" if len(warms) > 1 else "the warm start"
             lines += ["", f"Change against {against} ({split}, {pass_name}), points [95 % paired bootstrap]:", "",
                       f"| policy | {' | '.join(tasks)} | mean of tasks |", "|---|" + "---|" * len(tasks) + "---|"]
@@ -268,8 +271,9 @@ def pass_at_k_table(results: dict[str, Any], tasks: list[str], split: str, ks: t
     lines = [f"**{split} split, pass@k** (sampled pass at T = 1; mean of tasks [95 % bootstrap interval over tasks])", "",
              f"| policy | {head} |", "|---|" + "---|" * len(ks)]
     lines += [f"| {label} | {' | '.join(mean_cell(label, k) for k in ks)} |" for label in labels]
-    lines += ["", f"Change of pass@k against the warm start ({split}), points [95 % paired bootstrap]:", "",
-              f"| policy | {head} |", "|---|" + "---|" * len(ks)]
+    if labels[len(warms):]:
+        lines += ["", f"Change of pass@k against the warm start ({split}), points [95 % paired bootstrap]:", "",
+                  f"| policy | {head} |", "|---|" + "---|" * len(ks)]
     for label in labels[len(warms):]:
         cells = " | ".join(_delta_cell(mean_delta(per_type(base_of(results, label), k), per_type(label, k)))
                            for k in ks)

@@ -62,6 +62,16 @@ def test_pass_at_k_table_before_and_after() -> None:
     assert "pass@8" not in text
 
 
+def test_a_warm_start_alone_gets_its_tables_without_empty_change_tables() -> None:
+    """Before any run is probed (the first sitting of a long benchmark): the warm start's success and pass@k,
+    and no change table of header lines only."""
+    results = {"runs": {}, "metrics": {}, "base": {},
+               "evals": {"warm_start@test": {"report": probe({"db": {"a": 0.0, "b": 0.25}}, samples=4)}}}
+    text = table(results, ["db"], ["test"])
+    assert "| warm_start | 0.12 [" in text and "| warm_start | 0.125 [" in text  # sampled success, pass@1
+    assert "Change" not in text
+
+
 def test_seeds_table_gives_the_mean_and_the_spread() -> None:
     base = probe({"db": {"a": 0.0, "b": 0.0}})
     evals = {"warm_start@test": {"report": base},
