@@ -105,6 +105,12 @@ def run_cmd(cmd: list[str], log_file: Path, time_limit_s: float) -> dict[str, An
     return {"cmd": " ".join(["jetrl", *cmd[3:]]), "rc": rc, "wall_s": round(wall, 1), "timeout": timed_out}
 
 
+def finished(run: dict[str, Any] | None) -> bool:
+    """Whether a run's record says it finished: it ended well, or at its time limit (its trainer then
+    finished its step and saved the model: a finished run with fewer steps)."""
+    return bool(run and (run.get("rc") == 0 or run.get("timeout")))
+
+
 def run_name(variant: str, seed: int) -> str:
     """The run of ``variant`` with ``run.seed = seed``: seed 0 keeps the variant's name."""
     return variant if seed == 0 else f"{variant}-s{seed}"
@@ -200,14 +206,19 @@ class Bench:
     def recorded_elsewhere(self, name: str) -> str:
         """The digest of another sitting of the record that ran and probed ``name`` ("" if none)."""
         for digest, sitting in self.record["sittings"].items():
-            if digest != self.digest and name in sitting.get("runs", {}) and \
-                    any(k.startswith(f"{name}@") and whole(v) for k, v in sitting.get("evals", {}).items()):
+            if digest == self.digest or name not in sitting.get("runs", {}):
+                continue
+            if not self.args.eval_splits and finished(sitting["runs"][name]):  # no probe asked: the run is all
+                return digest
+            if any(k.startswith(f"{name}@") and whole(v) for k, v in sitting.get("evals", {}).items()):
                 return digest
         return ""
 
     def probed(self, name: str) -> bool:
-        """Whether ``name``'s final model was probed on every split (its model is then no longer needed)."""
-        return all(whole(self.results["evals"].get(f"{name}@{split}")) for split in self.args.eval_splits)
+        """Whether ``name`` ran and its final model was probed on every split (its model is then no longer
+        needed); with no split to probe, whether it ran."""
+        return finished(self.results["runs"].get(name)) and \
+            all(whole(self.results["evals"].get(f"{name}@{split}")) for split in self.args.eval_splits)
 
     def adopt_warm_start(self, model: Path) -> None:
         """Name this sitting by its warm start's digest; with --resume, a sitting of the record with the same
@@ -222,10 +233,8 @@ class Bench:
         self.save()
 
     def done(self, name: str) -> bool:
-        r = self.results["runs"].get(name)
-        # a run stopped at the time limit saved its model too: it is finished, with fewer steps
-        finished = bool(r and (r["rc"] == 0 or r.get("timeout")))
-        return bool(self.args.skip_done and finished and (self.out / name / "model").exists())
+        return bool(self.args.skip_done and finished(self.results["runs"].get(name))
+                    and (self.out / name / "model").exists())
 
     def warm_start(self, tasks: list[str]) -> Path:
         if self.args.sft_model:

@@ -117,11 +117,11 @@ def test_no_sampler_table_without_a_sampler_run(names: list[str]) -> None:
 def two_sittings() -> dict[str, dict]:
     """Sitting A: warm start 0.0 on both ids, `full` +50 on one id. Sitting B: another warm start, already
     at 0.5; `full-s1` from it reaches 1.0 on both ids (+50 against B, not +100 against A)."""
-    a = {"tasks": ["db"], "runs": {"sft": {"wall_s": 60.0}, "full": {"tasks": ["db"]}},
+    a = {"tasks": ["db"], "runs": {"sft": {"wall_s": 60.0}, "full": {"tasks": ["db"], "rc": 0}},
          "evals": {"warm_start@test": {"report": probe({"db": {"x": 0.0, "y": 0.0}})},
                    "full@test": {"report": probe({"db": {"x": 1.0, "y": 0.0}})}},
          "metrics": {"sft": [{"step": 1, "ts": 0.0, "train/loss": 1.0}]}}
-    b = {"tasks": ["db"], "runs": {"sft": {"wall_s": 90.0}, "full-s1": {"tasks": ["db"]}},
+    b = {"tasks": ["db"], "runs": {"sft": {"wall_s": 90.0}, "full-s1": {"tasks": ["db"], "rc": 0}},
          "evals": {"warm_start@test": {"report": probe({"db": {"x": 0.5, "y": 0.5}})},
                    "full-s1@test": {"report": probe({"db": {"x": 1.0, "y": 1.0}})}}}
     return {"aaaa": a, "bbbb": b}
@@ -183,6 +183,25 @@ def test_the_same_warm_start_made_again_resumes_its_sitting(tmp_path: Path) -> N
     assert bench.recorded_elsewhere("full") == "" and bench.probed("full") and not bench.probed("no_task_norm")
     (model / "model.safetensors").write_bytes(b"another warm start")
     assert model_digest(model) != digest
+
+
+def test_with_no_split_to_probe_a_run_is_done_when_it_ran(tmp_path: Path) -> None:
+    """A benchmark of training runs alone (``--eval-splits ''``, the sampler comparison): a run not made yet
+    is not skipped as "probed on every one of no splits"; a finished one, here or in another sitting, is."""
+    sittings = two_sittings()
+    record = tmp_path / "record.json"
+    record.write_text(json.dumps({"sittings": sittings}))
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "model.safetensors").write_bytes(b"warm start")
+    bench = Bench(argparse.Namespace(**{**vars(bench_args(tmp_path, record)), "eval_splits": []}), [])
+    bench.adopt_warm_start(model)
+    assert not bench.probed("sampler") and bench.recorded_elsewhere("sampler") == ""
+    bench.results["runs"]["sampler"] = {"rc": 130, "timeout": True, "wall_s": 60.0}
+    assert bench.probed("sampler")
+    bench.results["runs"]["sampler-s1"] = {"rc": 1, "timeout": False, "wall_s": 5.0}  # failed: run it again
+    assert not bench.probed("sampler-s1")
+    assert bench.recorded_elsewhere("full") == "aaaa"
 
 
 def test_a_stopped_probe_keeps_its_whole_task_types_and_a_resumed_one_plays_the_rest() -> None:
