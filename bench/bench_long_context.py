@@ -95,7 +95,7 @@ def main() -> None:
             print(f"  {s}: {r['wall_s']:.1f} s, {r['tok_s']:.1f} sampled tok/s", flush=True)
     print(f"\n{args.episodes} episodes to {args.context} tokens, {args.gen} generated + {args.obs} observed a turn, "
           f"{args.threads} threads; medians of {args.repeats}")
-    print(f"| setting | wall s | sampled tok/s | sampled | prefilled | sealed |\n|---|---|---|---|---|---|")
+    print("| setting | wall s | sampled tok/s | sampled | prefilled | sealed |\n|---|---|---|---|---|---|")
     base = None
     for s in settings:
         med = {k: statistics.median(r[k] for r in runs[s]) for k in runs[s][0]}
