@@ -102,6 +102,11 @@ class Trainer:
         highest = max(self.policy_version, self.run_state.recorded_version(), announced)
         if highest != self.policy_version:
             log.info("policy_version_raised", checkpoint_version=self.policy_version, to=highest)
+            if self.step == 0:  # no checkpoint resumed: the steps since the run began are lost
+                log.warning("trainer_restarted_without_a_checkpoint", policy_version=highest,
+                            checkpoint_every=self.cfg.checkpoint_every,
+                            reason="the run's starting weights are trained on, under versions above those "
+                                   "announced; a lower trainer.checkpoint_every loses fewer steps")
             self.policy_version = highest
 
     async def subscribe(self) -> JetStreamContext.PullSubscription:

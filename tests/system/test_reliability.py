@@ -264,11 +264,16 @@ async def test_versions_only_go_up_across_a_restart_and_are_recorded_before_they
     assert trainer.policy_version == 13 and announced == [13] and trainer.run_state.recorded_version() == 13
     # a trainer restarted without (or from an older) checkpoint continues above what was announced, even
     # with the KV gone: its own record holds
+    from structlog.testing import capture_logs
+
     fresh = Trainer(nc, nc.jetstream(), subjects, config.trainer, copy.deepcopy(tiny_model), tmp_path, "t2")
     assert not fresh.resume() and fresh.policy_version == 0
     await kv.delete(subjects.policy_version_key)
-    await fresh.adopt_announced_version()
+    with capture_logs() as logs:
+        await fresh.adopt_announced_version()
     assert fresh.policy_version == 13
+    # it says that it starts over from the run's first weights (its steps since are lost)
+    assert [e["policy_version"] for e in logs if e["event"] == "trainer_restarted_without_a_checkpoint"] == [13]
 
 
 async def test_flat_groups_are_acked_and_left_out_and_each_step_trains_on_signal(
