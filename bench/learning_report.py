@@ -316,22 +316,25 @@ def sampler_table(results: dict[str, Any], tasks: list[str], split: str) -> list
     names = [n for n in results["runs"] if variant_of(n) in ("full", "sampler")]
     if not any(variant_of(n) == "sampler" for n in names):
         return []
+    probed = any(report_of(results, name, split) for name in names)  # training runs alone: no probe column
+    probe_head = f" sampled change ({split}, mean of tasks) |" if probed else ""
     lines = ["The learnability task sampler (`sampler`) beside the configured mix (`full`), the same seeds:", "",
-             "| run | steps | flat groups / groups made | steps until training success +10 points "
-             f"| sampled change ({split}, mean of tasks) |", "|---|---|---|---|---|"]
+             f"| run | steps | flat groups / groups made | steps until training success +10 points |{probe_head}",
+             "|---|---|---|---|" + ("---|" if probed else "")]
     for name in names:
         rows = metrics_of(results, name)
         if not rows:
             continue
         flat = int(max(r.get("train/flat_groups", 0) for r in rows))
         trained = int(sum(r.get("train/groups", 0) for r in rows))
-        rep = report_of(results, name, split)
-        before = per_id(report_of(results, base_of(results, name), split), "sampled", tasks)
-        after = per_id(rep, "sampled", tasks)
         reached = steps_to_gain(rows, results["runs"][name].get("tasks", tasks))
         share = f"{flat}/{flat + trained} ({flat / (flat + trained):.0%})" if flat + trained else "–"
-        lines.append(f"| {name} | {len(rows)} | {share} | {reached if reached is not None else 'not reached'} "
-                     f"| {_delta_cell(mean_delta(before, after)) if rep else '–'} |")
+        line = f"| {name} | {len(rows)} | {share} | {reached if reached is not None else 'not reached'} |"
+        if probed:
+            rep = report_of(results, name, split)
+            before = per_id(report_of(results, base_of(results, name), split), "sampled", tasks)
+            line += f" {_delta_cell(mean_delta(before, per_id(rep, 'sampled', tasks))) if rep else '–'} |"
+        lines.append(line)
     return lines + [""]
 
 

@@ -107,6 +107,10 @@ def test_sampler_table_counts_flat_groups(tmp_path: Path) -> None:
     text = "\n".join(sampler_table(flatten({"current": results}), ["db"], "test"))
     assert "| full | 10 | 6/26 (23%) | not reached | +0.0" in text
     assert "| sampler | 10 | 2/22 (9%) | not reached | +50.0" in text
+    # training runs alone (no probe): no probe column of dashes
+    unprobed = flatten({"current": {**results, "evals": {}}})
+    text = "\n".join(sampler_table(unprobed, ["db"], "test"))
+    assert "| sampler | 10 | 2/22 (9%) | not reached |" in text and "sampled change" not in text and "–" not in text
 
 
 @pytest.mark.parametrize("names", [["full"], ["full", "no_cross_policy"]])
